@@ -1,0 +1,173 @@
+"""Performance configuration of the normal (high-throughput) kernels, with DeepEP's buffer size hints."""
+from __future__ import annotations
+
+import torch
+
+# Integer dtype of every `topk_idx` argument (DeepEP's default build).
+topk_idx_t: torch.dtype = torch.int64
+
+# DeepEP's fixed node width: its size-hint formulas assume 8 GPUs per node.
+NUM_MAX_NVL_PEERS = 8
+
+
+def _round_up(value: int, unit: int) -> int:
+    return (value + unit - 1) // unit * unit
+
+
+class Config:
+    """Tuning knobs of `dispatch` / `combine`.
+
+    Args:
+        num_sms: programs (SMs) the normal kernels may occupy; must be even when used by a kernel.
+            It also fixes the number of channels `num_sms // 2`, which shapes the handle matrices.
+        num_max_nvl_chunked_send_tokens: tokens pushed per step into an NVLink ring.
+        num_max_nvl_chunked_recv_tokens: NVLink ring capacity in tokens, per (channel, peer).
+        num_max_rdma_chunked_send_tokens: tokens per RDMA write.
+        num_max_rdma_chunked_recv_tokens: RDMA ring capacity per (channel, peer node); rounded up to a
+            multiple of `num_max_rdma_chunked_send_tokens`, as DeepEP does.
+
+    Raises:
+        ValueError: when a value breaks DeepEP's constructor rules (the message names it).
+    """
+
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        values = dict(num_sms=num_sms, num_max_nvl_chunked_send_tokens=num_max_nvl_chunked_send_tokens,
+                      num_max_nvl_chunked_recv_tokens=num_max_nvl_chunked_recv_tokens,
+                      num_max_rdma_chunked_send_tokens=num_max_rdma_chunked_send_tokens,
+                      num_max_rdma_chunked_recv_tokens=num_max_rdma_chunked_recv_tokens)
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Config: {name} must be an int, got {type(value).__name__}")
+        if num_sms < 0:
+            raise ValueError(f"Config: num_sms must be >= 0, got {num_sms}")
+        for name in ("num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                     "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
+            if values[name] <= 0:
+                raise ValueError(f"Config: {name} must be > 0, got {values[name]}")
+        if num_max_nvl_chunked_send_tokens >= num_max_nvl_chunked_recv_tokens:
+            raise ValueError("Config: num_max_nvl_chunked_send_tokens must be < num_max_nvl_chunked_recv_tokens, "
+                             f"got {num_max_nvl_chunked_send_tokens} >= {num_max_nvl_chunked_recv_tokens}")
+        rdma_recv = _round_up(num_max_rdma_chunked_recv_tokens, num_max_rdma_chunked_send_tokens)
+        if num_max_rdma_chunked_send_tokens > rdma_recv // 2:
+            raise ValueError("Config: num_max_rdma_chunked_send_tokens must be <= half of "
+                             f"num_max_rdma_chunked_recv_tokens (rounded up to {rdma_recv}), "
+                             f"got {num_max_rdma_chunked_send_tokens}")
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = rdma_recv
+
+    @property
+    def num_channels(self) -> int:
+        """Channels of the normal kernels (`num_sms // 2`); the column count of the handle matrices."""
+        return self.num_sms // 2
+
+    def __repr__(self) -> str:
+        return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}, "
+                f"num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens}, "
+                f"num_max_rdma_chunked_send_tokens={self.num_max_rdma_chunked_send_tokens}, "
+                f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of `num_nvl_bytes` DeepEP needs for `hidden_bytes` per token (`hidden * max(elem_size, 2)`)."""
+        _check_positive("hidden_bytes", hidden_bytes)
+        _check_positive("num_ranks", num_ranks)
+        num_rdma_ranks = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
+        num_nvl_ranks = min(num_ranks, NUM_MAX_NVL_PEERS)
+        channels, ring = self.num_channels, self.num_max_nvl_chunked_recv_tokens
+        idx_bytes = torch.tensor([], dtype=topk_idx_t).element_size()
+        source_meta_bytes = 8
+        slots = channels * num_nvl_ranks * ring
+        total = (channels * num_nvl_ranks * (2 * num_rdma_ranks + 3) * 4
+                 + slots * hidden_bytes
+                 + slots * source_meta_bytes
+                 + slots * 128 * idx_bytes
+                 + slots * 128 * 4
+                 + slots * 128 * 4)
+        return _round_up(total, 128)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of `num_rdma_bytes` DeepEP needs for the normal internode kernels (0 within one node)."""
+        _check_positive("hidden_bytes", hidden_bytes)
+        _check_positive("num_ranks", num_ranks)
+        if num_ranks <= NUM_MAX_NVL_PEERS:
+            return 0
+        num_rdma_ranks = -(-num_ranks // NUM_MAX_NVL_PEERS)
+        channels, ring = self.num_channels, self.num_max_rdma_chunked_recv_tokens
+        idx_bytes = torch.tensor([], dtype=topk_idx_t).element_size()
+        slots = channels * num_rdma_ranks * ring
+        total = (channels * num_rdma_ranks * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
+                 + slots * hidden_bytes * 2
+                 + slots * 8 * 2
+                 + slots * 128 * idx_bytes * 2
+                 + slots * 128 * 4 * 2
+                 + slots * 128 * 4 * 2
+                 + slots * 16 * 2)
+        return _round_up(total, 128)
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+# DeepEP's tuned (nvl_send, nvl_recv, rdma_send, rdma_recv) per rank count.
+_DISPATCH_TABLE = {
+    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+    24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
+    96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128),
+}
+_COMBINE_TABLE = {
+    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
+    96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
+}
+
+
+def _nearest_entry(table: dict, num_ranks: int) -> tuple:
+    # No whitelist: a rank count DeepEP never tuned gets the entry of the nearest tuned count above it.
+    for known in sorted(table):
+        if known >= num_ranks:
+            return table[known]
+    return table[max(table)]
+
+
+def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
+    _check_positive("num_ranks", num_ranks)
+    return Config(num_sms, *_nearest_entry(_DISPATCH_TABLE, num_ranks))
+
+
+def default_combine_config(num_ranks: int, num_sms: int) -> Config:
+    _check_positive("num_ranks", num_ranks)
+    return Config(num_sms, *_nearest_entry(_COMBINE_TABLE, num_ranks))
+
+
+def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """DeepEP's `get_low_latency_rdma_size_hint`: bytes of the double-buffered low-latency area."""
+    _check_positive("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+    _check_positive("hidden", hidden)
+    _check_positive("num_experts", num_experts)
+    layout = LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+    return (layout.total_bytes + 128) // 128 * 128
+
+
+class LowLatencyLayout:
+    """Byte layout `[signal0][signal1][send0][send1][recv0][recv1]` of the low-latency area (DeepEP's)."""
+
+    def __init__(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        n, num_scales = num_max_dispatch_tokens_per_rank, hidden // 128
+        dispatch_msg = 16 + max(2 * hidden, hidden + 4 * num_scales)
+        combine_msg = 4 * num_scales + 2 * hidden
+        self.send_bytes = _round_up(max(n * dispatch_msg, num_experts * n * combine_msg), 16)
+        self.recv_bytes = _round_up(max(num_experts * n * dispatch_msg, num_experts * n * combine_msg), 16)
+        self.signal_bytes = _round_up(4 * num_experts, 128)
+        self.total_bytes = 2 * (self.send_bytes + self.recv_bytes + self.signal_bytes)
+
+    def signal_offset(self, half: int) -> int:
+        return half * self.signal_bytes
+
+    def send_offset(self, half: int) -> int:
+        return 2 * self.signal_bytes + half * self.send_bytes

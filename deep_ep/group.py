@@ -1,0 +1,171 @@
+"""The Buffer's view of its process group: rank, size, node layout and bounded collectives."""
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class CommTimeoutError(RuntimeError):
+    """A collective or a GPU wait did not complete within the Buffer's timeout."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where each rank lives: nodes are contiguous blocks of `ranks_per_node` ranks in group order."""
+    rank: int
+    num_ranks: int
+    ranks_per_node: int
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_ranks // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    @property
+    def is_internode(self) -> bool:
+        return self.num_nodes > 1
+
+
+class Group:
+    """Bounded collectives over a `torch.distributed` group (or an mpi4py communicator for object gathers).
+
+    Every wait gives up after `timeout_s` seconds with a `CommTimeoutError` that names this rank and the
+    operation; the group is then unusable (a half-finished collective leaves peers out of step).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], comm: Any, timeout_s: float) -> None:
+        if group is None and comm is None:
+            raise ValueError("Either 'group' or 'comm' must be provided.")
+        self.group, self.comm, self.timeout_s = group, comm, timeout_s
+        if group is not None:
+            self.rank, self.size = group.rank(), group.size()
+            backend = str(dist.get_backend(group)).lower()
+            self.cuda_native = "nccl" in backend
+        else:
+            self.rank, self.size = comm.Get_rank(), comm.Get_size()
+            self.cuda_native = False
+        self._broken: Optional[str] = None
+
+    # ---- object collectives (construction time) -----------------------------------------------------
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        self._check_usable()
+        if self.group is None:
+            return list(self.comm.allgather(obj))
+        out: List[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def detect_ranks_per_node(self) -> int:
+        """Ranks per node from the hosts of the ranks: one node if all share a host, else equal blocks."""
+        hosts = self.all_gather_object(socket.gethostname())
+        per_node = hosts.count(hosts[0])
+        blocks = [hosts[i:i + per_node] for i in range(0, self.size, per_node)]
+        if self.size % per_node or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+            raise ValueError("Buffer: cannot detect the node layout (ranks of a host must form equal contiguous "
+                             f"blocks in group order; hosts are {hosts}); pass num_ranks_per_node explicitly")
+        return per_node
+
+    # ---- tensor collectives ---------------------------------------------------------------------------
+    def all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """All ranks' `tensor` stacked along a new first dim."""
+        self._check_usable()
+        staged = self._stage(tensor)
+        out = staged.new_empty((self.size, *staged.shape))
+        work = dist.all_gather_into_tensor(out, staged.contiguous(), group=self._torch_group(), async_op=True)
+        self.wait(work, what, out)
+        return out.to(tensor.device)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]],
+                   input_splits: Optional[Sequence[int]], what: str) -> "PendingAllToAll":
+        """Start `all_to_all_single` of rows; `.wait()` on the result completes it (bounded) and fills `output`."""
+        self._check_usable()
+        staged_out, staged_in = self._stage(output, empty=True), self._stage(input)
+        work = dist.all_to_all_single(staged_out, staged_in.contiguous(), list(output_splits) if output_splits is not None else None,
+                                      list(input_splits) if input_splits is not None else None,
+                                      group=self._torch_group(), async_op=True)
+        return PendingAllToAll(self, work, what, output, staged_out)
+
+    def barrier(self, what: str) -> None:
+        self._check_usable()
+        if self.group is None:
+            self.comm.Barrier()
+            return
+        marker = torch.zeros(1, device=self._collective_device())
+        work = dist.all_reduce(marker, group=self.group, async_op=True)
+        self.wait(work, what, marker)
+
+    # ---- waiting --------------------------------------------------------------------------------------
+    def wait(self, work: dist.Work, what: str, result: torch.Tensor) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        if not result.is_cuda:
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as error:
+                self._fail(what, str(error))
+            return
+        work.wait()  # orders the current stream after the collective; the host does not block here
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():
+            if time.monotonic() > deadline:
+                self._fail(what, "the collective did not finish on the GPU")
+            time.sleep(0)
+
+    def _fail(self, what: str, detail: str) -> None:
+        self._broken = what
+        raise CommTimeoutError(f"rank {self.rank}: {what} did not complete within {self.timeout_s:g} s "
+                               f"(waiting for the other {self.size - 1} ranks of the group: {detail.strip()}); "
+                               "this Buffer cannot be used any more")
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"rank {self.rank}: an earlier collective ({self._broken}) failed; "
+                               "destroy this Buffer and create a new one")
+        if self.group is None:
+            raise NotImplementedError("tensor collectives need a torch.distributed group; an mpi4py 'comm' "
+                                      "only serves construction with a fast transport")
+
+    def _torch_group(self) -> dist.ProcessGroup:
+        return self.group
+
+    def _collective_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.cuda_native else torch.device("cpu")
+
+    def _stage(self, tensor: torch.Tensor, empty: bool = False) -> torch.Tensor:
+        """The tensor as the backend can move it: CUDA tensors go through host memory on a gloo group,
+        and float8 travels as bytes (gloo has no float8 type)."""
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            tensor = tensor.view(torch.uint8)
+        if tensor.is_cuda and not self.cuda_native:
+            return torch.empty(tensor.shape, dtype=tensor.dtype) if empty else tensor.cpu()
+        return tensor
+
+
+class PendingAllToAll:
+    """An all-to-all in flight; `wait()` completes it within the group's timeout."""
+
+    def __init__(self, group: Group, work: dist.Work, what: str, output: torch.Tensor, staged: torch.Tensor) -> None:
+        self.group, self.work, self.what, self.output, self.staged = group, work, what, output, staged
+        self.done = False
+
+    def wait(self) -> torch.Tensor:
+        if not self.done:
+            self.group.wait(self.work, self.what, self.staged)
+            target = self.output.view(torch.uint8) if self.output.dtype != self.staged.dtype else self.output
+            if target.data_ptr() != self.staged.data_ptr():
+                target.copy_(self.staged)
+            self.done = True
+        return self.output

@@ -1,0 +1,28 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dist_utils import close_pools, get_pool, test_device_kind  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if test_device_kind() == "cuda" and torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA GPUs (set DEEP_EP_TEST_DEVICE=cuda on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    close_pools()
+
+
+@pytest.fixture
+def pool():
+    """`pool(world_size)` -> a RankPool of that many rank processes (kept for the whole session)."""
+    return get_pool

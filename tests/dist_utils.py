@@ -1,0 +1,141 @@
+"""A pool of rank processes for multi-process tests.
+
+`pool(world_size)` (a pytest fixture factory in conftest.py) starts `world_size` processes once per
+session; `pool.run(fn, *args)` calls `fn(ctx, *args)` on every rank and returns the per-rank results.
+`fn` must be importable (module-level). If any rank fails, the failure is raised in the test and
+the pool is restarted, so a broken group never leaks into the next test.
+
+Device: CPU + gloo by default. With `DEEP_EP_TEST_DEVICE=cuda`, ranks use GPUs (rank % num_gpus):
+an NCCL group when every rank has its own GPU, else a gloo group with CUDA tensors.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+TEST_TIMEOUT_S = float(os.environ.get("DEEP_EP_TEST_TIMEOUT_S", "240"))
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    group: Any
+    device: torch.device
+
+
+def test_device_kind() -> str:
+    return os.environ.get("DEEP_EP_TEST_DEVICE", "cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("DEEP_EP_TIMEOUT_S", "60")
+    torch.set_num_threads(1)
+    kind = test_device_kind()
+    if kind == "cuda":
+        num_gpus = torch.cuda.device_count()
+        torch.cuda.set_device(rank % num_gpus)
+        device = torch.device("cuda", rank % num_gpus)
+        backend = "nccl" if world_size <= num_gpus else "gloo"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    kwargs = dict(device_id=device) if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120), **kwargs)
+    ctx = RankContext(rank, world_size, dist.group.WORLD, device)
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args, kwargs_ = job
+        try:
+            outbox.put((rank, True, fn(ctx, *args, **kwargs_)))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the test
+            outbox.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` persistent rank processes."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        self.outbox = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self.inboxes[r], self.outbox),
+                                  daemon=True) for r in range(self.world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, timeout: Optional[float] = None, **kwargs: Any) -> List[Any]:
+        """Run `fn(ctx, *args, **kwargs)` on every rank; return the results in rank order."""
+        for inbox in self.inboxes:
+            inbox.put((fn, args, kwargs))
+        results: List[Any] = [None] * self.world_size
+        failures = []
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self.outbox.get(timeout=timeout or TEST_TIMEOUT_S)
+            except queue.Empty:
+                self.restart()
+                raise TimeoutError(f"{fn.__name__}: ranks did not answer within {timeout or TEST_TIMEOUT_S} s")
+            if ok:
+                results[rank] = value
+            else:
+                failures.append(f"--- rank {rank} ---\n{value}")
+        if failures:
+            self.restart()
+            raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(failures))
+        return results
+
+    def restart(self) -> None:
+        self.close(graceful=False)
+        self._start()
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for inbox in self.inboxes:
+                inbox.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_pools: dict = {}
+
+
+def get_pool(world_size: int) -> RankPool:
+    if world_size not in _pools:
+        _pools[world_size] = RankPool(world_size)
+    return _pools[world_size]
+
+
+def close_pools() -> None:
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
