@@ -48,7 +48,7 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0:
         scaled = v * (torch.tensor(FP8_MAX, dtype=torch.float32) / amax)
         scale_inv = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
     tokens, hidden = x.shape
-    data = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(tokens, -1)[:, :hidden].contiguous()
+    data = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(1)[:, :hidden].contiguous()
     scales = scale_inv.squeeze(-1)
     if use_ue8m0:
         scales = pack_ue8m0(scales)
@@ -85,7 +85,7 @@ def per_token_cast_back(data: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     if scales.dtype == torch.int32:
         scales = unpack_ue8m0(scales, groups)
     values = _groups(data) * scales.float().reshape(tokens, groups, 1)
-    return values.view(tokens, -1)[:, :hidden]
+    return values.flatten(1)[:, :hidden]
 
 
 # ---- LogFMT-10: sign + 9-bit code on a log2 grid per 128-channel group -----------------------------
@@ -128,6 +128,6 @@ def logfmt_roundtrip(x: torch.Tensor) -> torch.Tensor:
     padded_ok = torch.ones(tokens, num_chunks * groups_per_chunk, dtype=torch.bool, device=x.device)
     padded_ok[:, :groups] = group_ok  # groups past the end never veto a chunk
     chunk_ok = padded_ok.view(tokens, num_chunks, groups_per_chunk).all(-1, keepdim=True)
-    group_encoded = chunk_ok.expand(-1, -1, groups_per_chunk).reshape(tokens, -1)[:, :groups]
+    group_encoded = chunk_ok.expand(-1, -1, groups_per_chunk).flatten(1)[:, :groups]
     out = torch.where(group_encoded.unsqueeze(-1), decoded, v)
-    return out.view(tokens, -1)[:, :hidden].to(torch.bfloat16)
+    return out.flatten(1)[:, :hidden].to(torch.bfloat16)

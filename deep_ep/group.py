@@ -83,10 +83,10 @@ class Group:
         """All ranks' `tensor` stacked along a new first dim."""
         self._check_usable()
         staged = self._stage(tensor)
-        out = staged.new_empty((self.size, *staged.shape))
-        work = dist.all_gather_into_tensor(out, staged.contiguous(), group=self._torch_group(), async_op=True)
-        self.wait(work, what, out)
-        return out.to(tensor.device)
+        flat = staged.new_empty(self.size * staged.numel())
+        work = _all_gather_single(flat, staged.contiguous().view(-1), group=self._torch_group(), async_op=True)
+        self.wait(work, what, flat)
+        return flat.view(self.size, *staged.shape).to(tensor.device)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]],
                    input_splits: Optional[Sequence[int]], what: str) -> "PendingAllToAll":
@@ -152,6 +152,10 @@ class Group:
         if tensor.is_cuda and not self.cuda_native:
             return torch.empty(tensor.shape, dtype=tensor.dtype) if empty else tensor.cpu()
         return tensor
+
+
+# `all_gather_into_tensor` was renamed `all_gather_single` in newer torch releases.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 class PendingAllToAll:

@@ -1,0 +1,682 @@
+"""The public `Buffer`: DeepEP V1's API. It validates arguments and routes each call to a transport."""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .checks import check_expert_ids, check_int, check_tensor
+from .config import (Config, LowLatencyLayout, default_combine_config, default_dispatch_config,
+                     low_latency_size_hint, topk_idx_t)
+from .fp8 import num_scale_groups
+from .group import Group, Topology
+from .low_latency import LowLatencySlots, ReceiveHook
+from .streams import CommStream
+from .transport import select_transport
+from .transport.base import LowLatencyOptions
+from .utils import EventHandle, EventOverlap, check_nvlink_connections
+
+DEFAULT_TIMEOUT_S = 100.0
+MAX_TOPK = 32
+MAX_EXPERTS_PER_RANK = 1024
+
+Tensors = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+class Buffer:
+    """Expert-parallel communication buffer: normal (high-throughput) and low-latency all-to-all.
+
+    Class attribute `num_sms` (default 20) is the number of SMs the normal kernels may use; change it with
+    `Buffer.set_num_sms`. Construction is collective: every rank of the group must call it with the same
+    arguments.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Optional[Any] = None, *, num_ranks_per_node: Optional[int] = None,
+                 transport: Optional[str] = None, timeout_s: Optional[float] = None,
+                 device: Optional[Union[torch.device, str]] = None) -> None:
+        """
+        Args:
+            group: the communication group (NCCL, gloo or mixed); its rank order is the EP rank order.
+            num_nvl_bytes: bytes of the buffer shared with the ranks of the same node (normal mode).
+            num_rdma_bytes: bytes of the buffer used by the low-latency mode (and internode normal mode).
+            low_latency_mode: enable `low_latency_dispatch` / `low_latency_combine`.
+            num_qps_per_rank: RDMA queue pairs per peer in DeepEP; accepted as a hint (must be > 0).
+            allow_nvlink_for_low_latency_mode: let low-latency traffic between ranks of a node use NVLink.
+            allow_mnnvl: allow multi-node NVLink (accepted; single-node transports ignore it).
+            use_fabric: allocate shareable memory through fabric handles (accepted; ignored here).
+            explicitly_destroy: the user will call `destroy()`; otherwise resources go with the object.
+            enable_shrink: keep a mask of failed ranks that low-latency calls skip.
+            comm: an mpi4py communicator, used when `group` is None.
+            num_ranks_per_node: ranks per node (contiguous in group order). Default: from the ranks' hosts.
+            transport: "auto" (default, or $DEEP_EP_TRANSPORT) or "reference".
+            timeout_s: bound of every wait in seconds (default 100, or $DEEP_EP_TIMEOUT_S).
+            device: where the tensors live; default the current CUDA device, else the CPU.
+        """
+        check_int("num_nvl_bytes", num_nvl_bytes, minimum=0, multiple_of=128)
+        check_int("num_rdma_bytes", num_rdma_bytes, minimum=0, multiple_of=128)
+        check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("DEEP_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self._group = Group(group, comm, timeout_s)
+        self.group = group if group is not None else comm
+        self.rank, self.group_size = self._group.rank, self._group.size
+        if num_ranks_per_node is None:
+            num_ranks_per_node = self._group.detect_ranks_per_node()
+        check_int("num_ranks_per_node", num_ranks_per_node, minimum=1, maximum=self.group_size)
+        if self.group_size % num_ranks_per_node:
+            raise ValueError(f"num_ranks_per_node must divide the group size {self.group_size}, got {num_ranks_per_node}")
+        self.topology = Topology(self.rank, self.group_size, num_ranks_per_node)
+        if self.topology.is_internode and num_ranks_per_node > 32:
+            raise ValueError(f"num_ranks_per_node must be <= 32 across nodes (a 32-bit rank mask), got {num_ranks_per_node}")
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        if self.device.type == "cuda" and group is not None:
+            check_nvlink_connections(group)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode, self.allow_mnnvl, self.use_fabric = (
+            allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric)
+        self._nvl_buffer = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device)
+        self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
+        self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device) if enable_shrink else None
+        self._comm_stream = CommStream(self.device)
+        self._slots = LowLatencySlots()
+        self._transport = select_transport(transport, self._group, self.topology, self.device)
+        self.transport_name = self._transport.name
+        self.runtime: Optional[object] = self._transport
+        self._group.barrier("Buffer construction")
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Release the buffers (collective). Requires `explicitly_destroy=True`."""
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        self._live("destroy")
+        self._transport.destroy()
+        self._group.barrier("destroy")
+        self._nvl_buffer = self._rdma_buffer = None
+        self.runtime = None
+
+    def _live(self, what: str) -> None:
+        if self.runtime is None:
+            raise RuntimeError(f"{what}: this Buffer was destroyed; create a new one")
+
+    # ---- class helpers ------------------------------------------------------------------------------------
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: FP8 paths are always available (nothing is compiled ahead of time)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SMs the normal kernels use (even). Affects every later default config."""
+        assert isinstance(new_num_sms, int) and new_num_sms % 2 == 0 and new_num_sms > 0, \
+            f"The SM count must be even (and positive), got {new_num_sms}"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An `EventOverlap` holding an event recorded on the current stream."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of `num_rdma_bytes` the low-latency mode needs (DeepEP's formula)."""
+        return low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's tuned dispatch config for `num_ranks` (nearest tuned count for others)."""
+        return default_dispatch_config(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP's tuned combine config for `num_ranks` (nearest tuned count for others)."""
+        return default_combine_config(num_ranks, Buffer.num_sms)
+
+    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The communication stream (None on CPU)."""
+        self._live("get_comm_stream")
+        return self._comm_stream.stream
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """A `dtype` view of this rank's raw buffer starting `offset` bytes in (first `size.numel()` elements
+        reshaped to `size` when given)."""
+        self._live("get_local_buffer_tensor")
+        raw = self._rdma_buffer if use_rdma_buffer else self._nvl_buffer
+        check_int("offset", offset, minimum=0, maximum=raw.numel())
+        element = torch.empty((), dtype=dtype).element_size()
+        if offset % element:
+            raise ValueError(f"offset must be a multiple of the element size {element}, got {offset}")
+        usable = (raw.numel() - offset) // element * element
+        view = raw[offset:offset + usable].view(dtype)
+        if size is None:
+            return view
+        needed = torch.Size(size).numel()
+        if needed > view.numel():
+            raise ValueError(f"size {tuple(size)} needs {needed} elements but the buffer holds {view.numel()}")
+        return view[:needed].view(size)
+
+    # ---- normal mode ---------------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """Count tokens per rank, per node and per expert from `topk_idx` `[T, K]` (`-1` = no selection).
+
+        Returns `(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None within one
+        node, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)`."""
+        self._live("get_dispatch_layout")
+        self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        self._check_topk_idx("topk_idx", topk_idx, num_experts)
+        result, event = self._comm_stream.run(lambda: self._transport.get_dispatch_layout(topk_idx, num_experts),
+                                              (topk_idx,), previous_event, async_finish)
+        return (*result, event)
+
+    def dispatch(self, x: Tensors, handle: Optional[tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False
+                 ) -> Tuple[Tensors, Optional[torch.Tensor], Optional[torch.Tensor], Optional[List[int]],
+                            Optional[tuple], EventOverlap]:
+        """Send each token to every rank that holds one of its experts (one copy per rank).
+
+        Args:
+            x: `[T, H]` tensor (any dtype with 16-byte rows), or `(data [T, H] 1-byte dtype, scales [T, S]
+                float32 or int32, any strides)` for FP8.
+            handle: a handle from an earlier dispatch: reuse its routing (cached mode; no top-k arguments).
+            num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert: the
+                outputs of `get_dispatch_layout` (non-cached mode).
+            topk_idx: `[T, K]` `topk_idx_t`, entries in `[0, E)` or -1; topk_weights: `[T, K]` float32.
+            expert_alignment: round each entry of the per-expert count list up to this multiple.
+            num_worst_tokens: if > 0, allocate exactly this many receive rows and never wait on the host.
+            config: performance config (default `get_dispatch_config(group_size)`).
+            previous_event: run after this event instead of after the current stream's work.
+            async_finish: return without making the current stream wait; wait on the returned event.
+            allocate_on_comm_stream: allocate outputs on the comm stream (needs previous_event and async).
+
+        Returns:
+            `(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)`;
+            in cached mode `(recv_x, None, None, None, None, event)`. Rows are ordered by (source rank,
+            source token); top-k ids are local expert ids or -1 (weight 0).
+        """
+        self._live("dispatch")
+        config = config if config is not None else self.get_dispatch_config(self.group_size)
+        num_channels = self._check_config(config)
+        self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        data, scales = self._check_dispatch_x(x)
+        num_tokens = data.shape[0]
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("dispatch: pass either handle (cached dispatch) or topk_idx/topk_weights, not both")
+            self._check_handle("handle", handle, num_tokens, num_channels)
+            run = lambda: self._transport.cached_dispatch(data, scales, handle, num_channels)  # noqa: E731
+            inputs: tuple = (data, scales, handle)
+        else:
+            num_experts = self._check_layout_args(num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                                  is_token_in_rank, num_tokens_per_expert)
+            if (topk_idx is None) != (topk_weights is None):
+                raise ValueError("dispatch: topk_idx and topk_weights must be given together (or both None)")
+            if topk_idx is not None:
+                self._check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens)
+                check_tensor("topk_weights", topk_weights, device=self.device, dtype=torch.float32,
+                             shape=tuple(topk_idx.shape))
+            check_int("expert_alignment", expert_alignment, minimum=1)
+            check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+            self._check_nvl_capacity(num_experts)
+            run = lambda: self._transport.dispatch(  # noqa: E731
+                data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                expert_alignment, num_worst_tokens, num_channels)
+            inputs = (data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                      num_tokens_per_expert)
+        out, event = self._comm_stream.run(run, inputs, previous_event, async_finish)
+        recv_x = (out.recv_x, out.recv_scales) if scales is not None else out.recv_x
+        if handle is not None:
+            return recv_x, None, None, None, None, event
+        return (recv_x, out.recv_topk_idx, out.recv_topk_weights, out.num_recv_tokens_per_expert_list, out.handle,
+                event)
+
+    def internode_dispatch(self, x: Tensors, handle: Optional[tuple] = None, num_tokens_per_rank=None,
+                           num_tokens_per_rdma_rank=None, is_token_in_rank=None, num_tokens_per_expert=None,
+                           topk_idx=None, topk_weights=None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                           config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
+                           allocate_on_comm_stream: bool = False):
+        """`dispatch` for a group spanning several nodes (kept for DeepEP compatibility; use `dispatch`)."""
+        assert config is not None, "internode_dispatch: config must be given"
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                             config, previous_event, async_finish, allocate_on_comm_stream)
+
+    def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """Send each received row back to its source rank and add up the rows of every token.
+
+        Args:
+            x: `[M, H]` bfloat16, rows aligned with the dispatch's `recv_x`.
+            handle: the handle of the matching (non-cached) dispatch.
+            topk_weights: optional `[M, K]` float32, summed the same way (e.g. gradients of the weights).
+            bias: None, a `[T, H]` bfloat16 tensor, or a pair of them, added to the output.
+            config, previous_event, async_finish, allocate_on_comm_stream: as in `dispatch`.
+
+        Returns:
+            `(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event)`: fp32 sums of
+            the rows from the destination ranks in ascending rank order, plus the biases, rounded once.
+        """
+        self._live("combine")
+        config = config if config is not None else self.get_combine_config(self.group_size)
+        num_channels = self._check_config(config)
+        self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        num_tokens, num_rows = self._check_handle("handle", handle, None, num_channels)
+        check_tensor("x", x, device=self.device, dtype=torch.bfloat16, shape=(num_rows, None))
+        if x.shape[1] % 8:
+            raise ValueError(f"x: hidden size must be a multiple of 8 (16-byte rows), got {x.shape[1]}")
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, device=self.device, dtype=torch.float32, shape=(num_rows, None))
+            check_int("topk_weights.shape[1]", topk_weights.shape[1], maximum=MAX_TOPK)
+        if bias is None:
+            biases: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
+        elif isinstance(bias, torch.Tensor):
+            biases = (bias, None)
+        else:
+            if not isinstance(bias, tuple) or len(bias) != 2:
+                raise ValueError("bias must be None, a tensor or a tuple of 2 tensors")
+            biases = bias
+        for i, b in enumerate(biases):
+            if b is not None:
+                check_tensor(f"bias[{i}]", b, device=self.device, dtype=torch.bfloat16, shape=(num_tokens, x.shape[1]))
+        run = lambda: self._transport.combine(x, handle, topk_weights, biases, num_channels)  # noqa: E731
+        (combined, combined_weights), event = self._comm_stream.run(run, (x, topk_weights, biases, handle),
+                                                                     previous_event, async_finish)
+        return combined, combined_weights, event
+
+    def internode_combine(self, x: torch.Tensor, handle: tuple, topk_weights=None, bias=None,
+                          config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
+                          allocate_on_comm_stream: bool = False):
+        """`combine` for a group spanning several nodes (kept for DeepEP compatibility; use `combine`)."""
+        assert config is not None, "internode_combine: config must be given"
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
+
+    # ---- low-latency mode ---------------------------------------------------------------------------------
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency area for `(N, hidden, num_experts)` (collective)."""
+        self._live("clean_low_latency_buffer")
+        self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if self._slots.any_pending():
+            raise RuntimeError("clean_low_latency_buffer: a low-latency receive hook has not been called yet")
+        self._group.barrier("clean_low_latency_buffer")
+        layout = LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._rdma_buffer[:2 * layout.signal_bytes].zero_()
+        self._slots.reset()
+        self._group.barrier("clean_low_latency_buffer")
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False
+                             ) -> Tuple[Tensors, torch.Tensor, tuple, EventOverlap, Optional[Callable[[], None]]]:
+        """Send every (token, top-k slot) to its expert, packed per local expert (decode path).
+
+        Args:
+            x: `[T, H]` bfloat16 with `T <= num_max_dispatch_tokens_per_rank`.
+            topk_idx: `[T, K]` `topk_idx_t`, entries in `[0, num_experts)` or -1; `K <= 32`.
+            num_max_dispatch_tokens_per_rank: N, the same on every rank.
+            num_experts: total experts, a multiple of the group size.
+            cumulative_local_expert_recv_stats: optional int32 `[E_loc]`, incremented by the rows received.
+            dispatch_wait_recv_cost_stats: optional int64 `[R]`, incremented by the wait per source rank.
+            use_fp8: quantise to e4m3 with per-128-channel scales; round_scale: power-of-two scales;
+                use_ue8m0: return the scales as packed exponents (needs round_scale).
+            async_finish: return an event to wait on instead of making the current stream wait.
+            return_recv_hook: only send now; the returned hook completes the receive (no resident kernel).
+
+        Returns:
+            `(recv_x, recv_count, handle, event, hook)`: recv_x is `[E_loc, R*N, H]` bf16 or a tuple
+            `(e4m3 data, scales)` with scales column-major in the last two dims; rows of an expert are
+            grouped by source rank (then source token), `recv_count[e]` of them valid. handle =
+            `(src_info, layout_range, N, H, E)`.
+        """
+        self._live("low_latency_dispatch")
+        self._require_low_latency("low_latency_dispatch")
+        num_tokens, hidden = self._check_low_latency_x(x, num_max_dispatch_tokens_per_rank)
+        self._check_low_latency_flags(async_finish, return_recv_hook)
+        experts_per_rank = self._check_num_experts(num_experts)
+        self._check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens)
+        if use_fp8 and hidden % 8:
+            raise ValueError(f"x: hidden size must be a multiple of 8 for FP8, got {hidden}")
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0=True requires round_scale=True")
+        if cumulative_local_expert_recv_stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                         device=self.device, dtype=torch.int32, shape=(experts_per_rank,))
+        self._check_wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
+        self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        half = self._slots.acquire("low_latency_dispatch")
+        options = LowLatencyOptions(use_fp8, round_scale, use_ue8m0)
+
+        def launch():
+            return self._transport.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                        options, self._mask, dispatch_wait_recv_cost_stats)
+
+        def finish(out):
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(out.recv_count)
+
+        out, event, hook = self._run_low_latency(launch, finish, half, "low_latency_dispatch", async_finish,
+                                                 return_recv_hook, (x, topk_idx))
+        recv_x = (out.recv_x, out.recv_scales) if use_fp8 else out.recv_x
+        handle = (out.src_info, out.layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if async_finish:
+            event.extra_tensors = (x, topk_idx, out.recv_x, out.recv_scales, out.recv_count, out.src_info,
+                                   out.layout_range, cumulative_local_expert_recv_stats)
+        return recv_x, out.recv_count, handle, event, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
+                            ) -> Tuple[torch.Tensor, EventOverlap, Optional[Callable[[], None]]]:
+        """Send expert outputs back and reduce them per token, weighted by `topk_weights`.
+
+        Args:
+            x: `[E_loc, R*N, H]` bfloat16 expert outputs, rows aligned with the dispatch.
+            topk_idx, topk_weights: `[T, K]` routing of the matching dispatch (entries may become -1).
+            handle: from `low_latency_dispatch`.
+            use_logfmt: compress the returned rows with LogFMT-10 (lossy).
+            zero_copy: the outputs were already written into `get_next_low_latency_combine_buffer(handle)`.
+            async_finish, return_recv_hook: as in `low_latency_dispatch`.
+            out: optional `[T, H]` bfloat16 tensor to write the result into (returned).
+            combine_wait_recv_cost_stats: optional int64 `[R]` wait statistics.
+
+        Returns:
+            `(combined_x [T, H] bf16, event, hook)`: bf16 of the fp32 sum over k of `w[t, k] * row`.
+        """
+        self._live("low_latency_combine")
+        self._require_low_latency("low_latency_combine")
+        self._check_low_latency_flags(async_finish, return_recv_hook)
+        if zero_copy and use_logfmt:
+            raise ValueError("low_latency_combine: zero_copy and use_logfmt cannot be combined")
+        src_info, layout_range, num_max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
+        experts_per_rank = num_experts // self.group_size
+        check_tensor("x", x, device=self.device, dtype=torch.bfloat16,
+                     shape=(experts_per_rank, self.group_size * num_max_tokens, hidden))
+        check_tensor("topk_idx", topk_idx, device=self.device, dtype=topk_idx_t, dim=2)
+        num_tokens = topk_idx.shape[0]
+        if num_tokens > num_max_tokens:
+            raise ValueError(f"topk_idx: at most num_max_dispatch_tokens_per_rank={num_max_tokens} rows, got {num_tokens}")
+        check_tensor("topk_weights", topk_weights, device=self.device, dtype=torch.float32, shape=tuple(topk_idx.shape))
+        check_expert_ids("topk_idx", topk_idx, num_experts)
+        if out is not None:
+            check_tensor("out", out, device=self.device, dtype=torch.bfloat16, shape=(num_tokens, hidden))
+        self._check_wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
+        self._check_low_latency_capacity(num_max_tokens, hidden, num_experts)
+        source = self._combine_send_view(self._slots.next_half, experts_per_rank, num_max_tokens, hidden) \
+            if zero_copy else x
+        half = self._slots.acquire("low_latency_combine")
+        result = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
+
+        def launch():
+            receive = self._transport.low_latency_combine(source, topk_idx, topk_weights, src_info, layout_range,
+                                                          num_max_tokens, use_logfmt, self._mask, result,
+                                                          combine_wait_recv_cost_stats)
+            return result, receive
+
+        _, event, hook = self._run_low_latency(launch, None, half, "low_latency_combine", async_finish,
+                                               return_recv_hook, (x, topk_idx, topk_weights))
+        if async_finish:
+            event.extra_tensors = (x, topk_idx, topk_weights, src_info, layout_range, result)
+        return result, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
+        """A bf16 `[E_loc, R*N, H]` view (row stride `H + H/64`) of the area the next low-latency combine
+        sends from: write expert outputs here and call `low_latency_combine(..., zero_copy=True)`."""
+        self._live("get_next_low_latency_combine_buffer")
+        self._require_low_latency("get_next_low_latency_combine_buffer")
+        _, _, num_max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
+        self._check_low_latency_capacity(num_max_tokens, hidden, num_experts)
+        return self._combine_send_view(self._slots.next_half, num_experts // self.group_size, num_max_tokens, hidden)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mark (`mask=True`) or unmark a rank as failed; low-latency calls skip masked ranks."""
+        self._require_shrink("low_latency_update_mask_buffer")
+        check_int("rank_to_mask", rank_to_mask, minimum=0, maximum=self.group_size - 1)
+        self._mask[rank_to_mask] = 1 if mask else 0
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Copy the mask (1 = masked) into `mask_status`, an int32 tensor of `group_size` elements."""
+        self._require_shrink("low_latency_query_mask_buffer")
+        check_tensor("mask_status", mask_status, device=mask_status.device, dtype=torch.int32, contiguous=False)
+        if mask_status.numel() != self.group_size:
+            raise ValueError(f"mask_status must have {self.group_size} elements, got {mask_status.numel()}")
+        mask_status.view(-1).copy_(self._mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._require_shrink("low_latency_clean_mask_buffer")
+        self._mask.zero_()
+
+    # ---- low-latency plumbing -----------------------------------------------------------------------------
+    def _run_low_latency(self, launch, finish, half: int, name: str, async_finish: bool, return_recv_hook: bool,
+                         inputs: tuple):
+        """Launch, then either return a hook, or receive at once on the comm stream (async) / current stream."""
+        if return_recv_hook:
+            out, receive = launch()
+            stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
+
+            def complete():
+                if stream is None:
+                    receive()
+                else:
+                    with torch.cuda.stream(stream):
+                        receive()
+                if finish is not None:
+                    finish(out)
+
+            hook = ReceiveHook(complete, lambda: None, name)
+            self._slots.hold(half, hook)
+            return out, EventOverlap(None), hook
+
+        def run():
+            result, receive = launch()
+            receive()
+            if finish is not None:
+                finish(result)
+            return result
+
+        out, event = self._comm_stream.run(run, inputs, None, async_finish)
+        return out, event, None
+
+    def _combine_send_view(self, half: int, experts_per_rank: int, num_max_tokens: int, hidden: int) -> torch.Tensor:
+        layout = LowLatencyLayout(num_max_tokens, hidden, experts_per_rank * self.group_size)
+        row = hidden + hidden // 64
+        slots = self.group_size * num_max_tokens
+        start = layout.send_offset(half)
+        area = self._rdma_buffer[start:start + experts_per_rank * slots * row * 2].view(torch.bfloat16)
+        return area.view(experts_per_rank, slots, row)[:, :, :hidden]
+
+    def _require_low_latency(self, what: str) -> None:
+        if not self.low_latency_mode:
+            raise ValueError(f"{what}: the Buffer was built with low_latency_mode=False; pass low_latency_mode=True")
+
+    def _require_shrink(self, what: str) -> None:
+        self._live(what)
+        if not self.enable_shrink:
+            raise ValueError(f"{what}: Shrink mode must be enabled (Buffer(..., enable_shrink=True))")
+
+    def _check_low_latency_flags(self, async_finish: bool, return_recv_hook: bool) -> None:
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be True")
+
+    def _check_low_latency_x(self, x: torch.Tensor, num_max_tokens: int) -> Tuple[int, int]:
+        check_int("num_max_dispatch_tokens_per_rank", num_max_tokens, minimum=1)
+        check_tensor("x", x, device=self.device, dtype=torch.bfloat16, dim=2)
+        num_tokens, hidden = x.shape
+        if num_tokens > num_max_tokens:
+            raise ValueError(f"x: at most num_max_dispatch_tokens_per_rank={num_max_tokens} tokens, got {num_tokens}")
+        if hidden % 8 or hidden == 0:
+            raise ValueError(f"x: hidden size must be a positive multiple of 8, got {hidden}")
+        return num_tokens, hidden
+
+    def _check_low_latency_capacity(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
+        self._check_num_experts(num_experts)
+        needed = low_latency_size_hint(num_max_tokens, hidden, self.group_size, num_experts)
+        if self.num_rdma_bytes < needed:
+            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for low-latency calls with N="
+                             f"{num_max_tokens}, hidden={hidden}, num_experts={num_experts}: need >= {needed} "
+                             "(Buffer.get_low_latency_rdma_size_hint)")
+
+    def _check_low_latency_handle(self, handle) -> Tuple[torch.Tensor, torch.Tensor, int, int, int]:
+        if not isinstance(handle, tuple) or len(handle) != 5:
+            raise ValueError("handle must be the 5-tuple returned by low_latency_dispatch")
+        src_info, layout_range, num_max_tokens, hidden, num_experts = handle
+        experts_per_rank = self._check_num_experts(num_experts)
+        check_tensor("handle[0] (src_info)", src_info, device=self.device, dtype=torch.int32,
+                     shape=(experts_per_rank, self.group_size * num_max_tokens))
+        check_tensor("handle[1] (layout_range)", layout_range, device=self.device, dtype=torch.int64,
+                     shape=(experts_per_rank, self.group_size))
+        return src_info, layout_range, num_max_tokens, hidden, num_experts
+
+    def _check_wait_stats(self, name: str, stats: Optional[torch.Tensor]) -> None:
+        if stats is not None:
+            check_tensor(name, stats, device=self.device, dtype=torch.int64, shape=(self.group_size,))
+
+    # ---- shared checks ------------------------------------------------------------------------------------
+    def _check_num_experts(self, num_experts: int) -> int:
+        check_int("num_experts", num_experts, minimum=1)
+        if num_experts % self.group_size:
+            raise ValueError(f"num_experts must be a multiple of the group size {self.group_size}, got {num_experts}")
+        experts_per_rank = num_experts // self.group_size
+        if experts_per_rank > MAX_EXPERTS_PER_RANK:
+            raise ValueError(f"num_experts: at most {MAX_EXPERTS_PER_RANK} experts per rank, got {experts_per_rank}")
+        return experts_per_rank
+
+    def _check_topk_idx(self, name: str, topk_idx: torch.Tensor, num_experts: int,
+                        num_tokens: Optional[int] = None) -> None:
+        self._check_num_experts(num_experts)
+        check_tensor(name, topk_idx, device=self.device, dtype=topk_idx_t, dim=2)
+        if num_tokens is not None and topk_idx.shape[0] != num_tokens:
+            raise ValueError(f"{name} must have {num_tokens} rows (one per token of x), got {topk_idx.shape[0]}")
+        if topk_idx.shape[1] > MAX_TOPK or topk_idx.shape[1] < 1:
+            raise ValueError(f"{name}: top-k must be in [1, {MAX_TOPK}], got {topk_idx.shape[1]}")
+        check_expert_ids(name, topk_idx, num_experts)
+
+    def _check_config(self, config: Config) -> int:
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a deep_ep.Config, got {type(config).__name__}")
+        if config.num_sms < 2 or config.num_sms % 2:
+            raise ValueError(f"config.num_sms must be even and >= 2, got {config.num_sms}")
+        return config.num_channels
+
+    def _check_stream_args(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event must be an EventOverlap or None, got {type(previous_event).__name__}")
+        if allocate_on_comm_stream and (previous_event is None or not async_finish):
+            raise ValueError("allocate_on_comm_stream=True requires previous_event and async_finish=True")
+
+    def _check_dispatch_x(self, x: Tensors) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError("x must be a tensor or a (data, scales) tuple")
+            data, scales = x
+            check_tensor("x[0] (data)", data, device=self.device, dim=2)
+            if data.element_size() != 1:
+                raise TypeError(f"x[0] (data) must have a 1-byte dtype (e.g. torch.float8_e4m3fn), got {data.dtype}")
+            check_tensor("x[1] (scales)", scales, device=self.device, dtype=(torch.float32, torch.int32), dim=2,
+                         contiguous=False)
+            if scales.shape[0] != data.shape[0]:
+                raise ValueError(f"x[1] (scales) must have {data.shape[0]} rows, got {scales.shape[0]}")
+            if scales.shape[1] > 128:
+                raise ValueError(f"x[1] (scales): at most 128 scales per token, got {scales.shape[1]}")
+        else:
+            data, scales = check_tensor("x", x, device=self.device, dim=2), None
+        if (data.shape[1] * data.element_size()) % 16 or data.shape[1] == 0:
+            raise ValueError(f"x: a row must be a positive multiple of 16 bytes, got hidden={data.shape[1]} "
+                             f"of {data.dtype}")
+        return data, scales
+
+    def _check_layout_args(self, num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                           num_tokens_per_expert) -> int:
+        for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                            ("num_tokens_per_expert", num_tokens_per_expert)):
+            if value is None:
+                raise ValueError(f"dispatch: {name} is required without a handle (from get_dispatch_layout)")
+        check_tensor("num_tokens_per_rank", num_tokens_per_rank, device=self.device, dtype=torch.int32,
+                     shape=(self.group_size,))
+        check_tensor("is_token_in_rank", is_token_in_rank, device=self.device, dtype=torch.bool,
+                     shape=(num_tokens, self.group_size))
+        check_tensor("num_tokens_per_expert", num_tokens_per_expert, device=self.device, dtype=torch.int32, dim=1)
+        num_experts = num_tokens_per_expert.numel()
+        self._check_num_experts(num_experts)
+        if self.topology.is_internode:
+            if num_tokens_per_rdma_rank is None:
+                raise ValueError("dispatch: num_tokens_per_rdma_rank is required across nodes (from get_dispatch_layout)")
+            check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, device=self.device, dtype=torch.int32,
+                         shape=(self.topology.num_nodes,))
+        if not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
+            raise ValueError("num_tokens_per_rank must equal the column sums of is_token_in_rank "
+                             "(pass the outputs of one get_dispatch_layout call)")
+        return num_experts
+
+    def _check_nvl_capacity(self, num_experts: int) -> None:
+        needed = self.group_size * (self.group_size + num_experts // self.group_size) * 4
+        if self.num_nvl_bytes < needed:
+            raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for dispatch with {num_experts} experts "
+                             f"on {self.group_size} ranks: need >= {needed} (Config.get_nvl_buffer_size_hint gives "
+                             "a good size)")
+
+    def _check_handle(self, name: str, handle, num_tokens: Optional[int], num_channels: int) -> Tuple[int, int]:
+        """Check a normal-mode handle; returns (tokens of the source batch, received rows)."""
+        num_ranks, topo = self.group_size, self.topology
+        expected_len = 10 if topo.is_internode else 6
+        if not isinstance(handle, tuple) or len(handle) != expected_len:
+            raise ValueError(f"{name} must be the {expected_len}-tuple returned by a non-cached dispatch of this Buffer")
+        is_token_in_rank = handle[0] if topo.is_internode else handle[4]
+        check_tensor(f"{name} (is_token_in_rank)", is_token_in_rank, device=self.device, dtype=torch.bool,
+                     shape=(num_tokens, num_ranks))
+        if topo.is_internode:
+            prefix_shapes = [(1, (topo.num_nodes, num_channels)), (2, (num_ranks, num_channels)),
+                             (3, (topo.num_nodes, num_channels)), (4, (topo.num_nodes,)), (5, (num_ranks, num_channels)),
+                             (6, (num_ranks,))]
+            rows_tensor = handle[7]
+        else:
+            prefix_shapes = [(0, (num_ranks, num_ranks)), (1, (num_ranks, num_channels)), (2, (num_ranks, num_channels))]
+            rows_tensor = handle[3]
+        for index, shape in prefix_shapes:
+            tensor = handle[index]
+            if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and len(shape) == 2 and \
+                    tensor.shape[0] == shape[0] and tensor.shape[1] != shape[1]:
+                raise ValueError(f"{name} was made with config.num_sms={2 * tensor.shape[1]} but this call uses "
+                                 f"num_sms={2 * num_channels}; use the same num_sms for a handle's dispatch, cached "
+                                 "dispatches and combines")
+            check_tensor(f"{name}[{index}]", tensor, device=self.device, dtype=torch.int32, shape=shape)
+        if not isinstance(rows_tensor, torch.Tensor) or rows_tensor.dim() < 1:
+            raise ValueError(f"{name} does not hold the received rows")
+        return is_token_in_rank.shape[0], rows_tensor.shape[0]
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self.runtime is None else self.transport_name
+        return (f"Buffer(rank={self.rank}, group_size={self.group_size}, ranks_per_node="
+                f"{self.topology.ranks_per_node}, device={self.device}, transport={state}, "
+                f"low_latency_mode={self.low_latency_mode})")

@@ -1,0 +1,62 @@
+"""Argument checks that name the argument and the expected value."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+Dtypes = Union[torch.dtype, Tuple[torch.dtype, ...]]
+
+
+def check_tensor(name: str, value, *, device: torch.device, dtype: Optional[Dtypes] = None,
+                 dim: Optional[int] = None, shape: Optional[Sequence[Optional[int]]] = None,
+                 contiguous: bool = True) -> torch.Tensor:
+    """Raise TypeError/ValueError unless `value` is a tensor as described (None in `shape` = any size)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        if value.dtype not in allowed:
+            expected = " or ".join(str(d) for d in allowed)
+            raise TypeError(f"{name} must have dtype {expected}, got {value.dtype}")
+    if not same_device(value.device, device):
+        raise ValueError(f"{name} must be on {device} (the Buffer's device), got {value.device}")
+    if dim is not None and value.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(value.shape)}")
+    if shape is not None:
+        if value.dim() != len(shape) or any(want is not None and got != want for got, want in zip(value.shape, shape)):
+            expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {expected}, got {list(value.shape)}")
+    if contiguous and not value.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return value
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    return a.type != "cuda" or (a.index if a.index is not None else torch.cuda.current_device()) == \
+        (b.index if b.index is not None else torch.cuda.current_device())
+
+
+def check_int(name: str, value, *, minimum: Optional[int] = None, maximum: Optional[int] = None,
+              multiple_of: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    if multiple_of is not None and value % multiple_of:
+        raise ValueError(f"{name} must be a multiple of {multiple_of}, got {value}")
+    return value
+
+
+def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Entries must be -1 (no selection) or in [0, num_experts)."""
+    if topk_idx.numel() == 0:
+        return
+    low, high = int(topk_idx.min()), int(topk_idx.max())
+    if low < -1 or high >= num_experts:
+        bad = low if low < -1 else high
+        raise ValueError(f"{name} entries must be -1 or in [0, {num_experts}), found {bad}")

@@ -1,0 +1,61 @@
+"""Running a transport call on the communication stream with DeepEP's event semantics."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, List, Optional, Tuple
+
+import torch
+
+from .utils import EventHandle, EventOverlap
+
+
+def flatten_tensors(values: Iterable[Any]) -> List[torch.Tensor]:
+    """Every tensor in (nested tuples/lists of) `values`."""
+    out: List[torch.Tensor] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out.extend(flatten_tensors(value))
+    return out
+
+
+class CommStream:
+    """The Buffer's dedicated communication stream (None on CPU, where calls complete synchronously)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream: Optional[torch.cuda.Stream] = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=device, priority=-1)
+
+    def run(self, fn: Callable[[], Any], inputs: Tuple[Any, ...], previous_event: Optional[EventOverlap],
+            async_finish: bool) -> Tuple[Any, EventOverlap]:
+        """Run `fn` on the comm stream after `previous_event` (or the current stream's work so far).
+
+        Outputs are allocated on the comm stream and marked as used by the calling stream. With
+        `async_finish` the caller's stream does not wait and the returned overlap holds the event;
+        otherwise the caller's stream waits and the overlap's event is None."""
+        if self.stream is None:
+            result = fn()
+            return result, EventOverlap(EventHandle.completed() if async_finish else None)
+        compute = torch.cuda.current_stream()
+        if previous_event is not None and previous_event.event is not None and not previous_event.event.is_host:
+            self.stream.wait_event(previous_event.event.event)
+        else:
+            self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            result = fn()
+            event = EventHandle(self.stream)
+        capturing = torch.cuda.is_current_stream_capturing()
+        outputs = flatten_tensors(result if isinstance(result, (tuple, list)) else (result,))
+        if not capturing:
+            for tensor in outputs:
+                if tensor.is_cuda:
+                    tensor.record_stream(compute)
+        if not async_finish:
+            compute.wait_event(event.event)
+            return result, EventOverlap(None)
+        if not capturing:
+            for tensor in flatten_tensors(inputs):
+                if tensor.is_cuda:
+                    tensor.record_stream(self.stream)
+        return result, EventOverlap(event, extra_tensors=tuple(flatten_tensors(inputs)) + tuple(outputs))

@@ -1,0 +1,28 @@
+"""Data paths of the Buffer and how one is chosen."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..group import Group, Topology
+from .base import Transport
+from .reference import ReferenceTransport
+
+TRANSPORTS = ("auto", "reference")
+ENV_TRANSPORT = "DEEP_EP_TRANSPORT"
+
+
+def select_transport(requested: Optional[str], group: Group, topology: Topology, device: torch.device) -> Transport:
+    """The transport named by `requested` (or $DEEP_EP_TRANSPORT), else the fastest that fits.
+
+    Only the reference transport exists so far, so "auto" resolves to it everywhere."""
+    name = requested if requested is not None else os.environ.get(ENV_TRANSPORT, "auto")
+    if name not in TRANSPORTS:
+        source = "transport" if requested is not None else ENV_TRANSPORT
+        raise ValueError(f"{source} must be one of {', '.join(TRANSPORTS)}, got {name!r}")
+    return ReferenceTransport(group, topology, device)
+
+
+__all__ = ["Transport", "ReferenceTransport", "select_transport", "TRANSPORTS"]

@@ -1,0 +1,93 @@
+"""The interface every data path implements.
+
+The `Buffer` validates arguments, handles streams and events, and calls one of these methods with
+checked tensors. A transport returns fresh outputs; it never sees `previous_event`/`async_finish`.
+Low-latency calls return a `receive` callable that completes the call (the hook, or called at once).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from ..group import Group, Topology
+
+
+@dataclass
+class DispatchOutput:
+    recv_x: torch.Tensor
+    recv_scales: Optional[torch.Tensor]
+    recv_topk_idx: Optional[torch.Tensor]
+    recv_topk_weights: Optional[torch.Tensor]
+    num_recv_tokens_per_expert_list: Optional[List[int]]
+    handle: Optional[tuple]
+
+
+@dataclass
+class LowLatencyDispatchOutput:
+    recv_x: torch.Tensor                 # [E_loc, R*N, H], bf16 or float8_e4m3fn
+    recv_scales: Optional[torch.Tensor]  # [E_loc, R*N, G] column-major in the last two dims, or None
+    recv_count: torch.Tensor             # [E_loc] int32
+    src_info: torch.Tensor               # [E_loc, R*N] int32
+    layout_range: torch.Tensor           # [E_loc, R] int64
+
+
+@dataclass
+class LowLatencyOptions:
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+
+
+class Transport(ABC):
+    """One data path for all of the Buffer's operations."""
+
+    name: str
+
+    def __init__(self, group: Group, topology: Topology, device: torch.device) -> None:
+        self.group, self.topology, self.device = group, topology, device
+
+    @abstractmethod
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(num_tokens_per_rank, num_tokens_per_rdma_rank or None, num_tokens_per_expert, is_token_in_rank)."""
+
+    @abstractmethod
+    def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                 topk_weights: Optional[torch.Tensor], num_tokens_per_rank: torch.Tensor,
+                 is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor, expert_alignment: int,
+                 num_worst_tokens: int, num_channels: int) -> DispatchOutput:
+        """Send each token once to every rank in `is_token_in_rank`; rows ordered by (source rank, token)."""
+
+    @abstractmethod
+    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: tuple,
+                        num_channels: int) -> DispatchOutput:
+        """Dispatch new data along the routing of `handle` (no layout step, no host wait for counts)."""
+
+    @abstractmethod
+    def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor],
+                biases: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]], num_channels: int
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Sum each token's rows back from its destination ranks (fp32, fixed order) plus the biases."""
+
+    @abstractmethod
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
+                             options: LowLatencyOptions, mask: Optional[torch.Tensor],
+                             wait_stats: Optional[torch.Tensor]
+                             ) -> Tuple[LowLatencyDispatchOutput, Callable[[], None]]:
+        """Send every selection to its expert's rank; returns the outputs and the receive step."""
+
+    @abstractmethod
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            src_info: torch.Tensor, layout_range: torch.Tensor, num_max_tokens: int,
+                            use_logfmt: bool, mask: Optional[torch.Tensor], out: torch.Tensor,
+                            wait_stats: Optional[torch.Tensor]) -> Callable[[], None]:
+        """Send expert outputs back; the receive step writes the weighted sums into `out`."""
+
+    def barrier(self) -> None:
+        self.group.barrier("barrier")
+
+    def destroy(self) -> None:
+        """Release what the transport holds (collective)."""

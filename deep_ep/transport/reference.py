@@ -1,0 +1,554 @@
+"""Reference transport: every operation as torch ops plus a few `torch.distributed` collectives.
+
+It is the semantic oracle of the fast paths and the data path wherever they do not apply (CPU tensors on
+a gloo group, CUDA tensors on an NCCL group, one node or many). Per call it runs:
+  1. an all-gather of a fixed-size header (operation, call number, shapes) so that ranks calling with
+     different shapes or different operations all get a clear error instead of a garbled exchange;
+  2. an all-to-all of small count vectors (splits, per-expert counts, channel counts) unless the handle
+     already holds them;
+  3. one all-to-all of packed rows (payload bytes | scales | top-k ids | weights | metadata);
+and then places the rows with vectorised index operations. Counts go to the host (`tolist`) to size the
+variable all-to-all, so this transport always synchronises the host; that is its price, not its contract.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..fp8 import logfmt_roundtrip, num_scale_groups, pack_ue8m0, per_token_cast_to_fp8
+from ..group import Group, Topology
+from .base import DispatchOutput, LowLatencyDispatchOutput, LowLatencyOptions, Transport
+
+_OPS = {"dispatch": 1, "cached_dispatch": 2, "combine": 3, "ll_dispatch": 4, "ll_combine": 5}
+_HEADER_FIELDS = 14
+_DTYPE_CODES = {dt: i + 1 for i, dt in enumerate([
+    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool])}
+
+
+def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`t.index_select(0, index)` for any dtype (float8 rows are moved as bytes)."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8).index_select(0, index).view(t.dtype)
+    return t.index_select(0, index)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t.element_size() * math.prod(t.shape[1:])
+
+
+class _Packer:
+    """Packs several per-row tensors into one byte matrix and unpacks them on the other side."""
+
+    def __init__(self) -> None:
+        self.fields: List[Tuple[str, torch.dtype, Tuple[int, ...], int]] = []
+        self.parts: List[torch.Tensor] = []
+
+    def add(self, name: str, rows: torch.Tensor) -> None:
+        rows = rows.contiguous()
+        self.fields.append((name, rows.dtype, tuple(rows.shape[1:]), _row_bytes(rows)))
+        self.parts.append(rows.view(torch.uint8).reshape(rows.shape[0], self.fields[-1][3]))
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(f[3] for f in self.fields)
+
+    def pack(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        if not self.parts:
+            return torch.empty((num_rows, 0), dtype=torch.uint8, device=device)
+        return torch.cat(self.parts, dim=1)
+
+    def unpack(self, packed: torch.Tensor) -> Dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for name, dtype, shape, nbytes in self.fields:
+            chunk = packed[:, offset:offset + nbytes].contiguous()
+            out[name] = chunk.view(dtype).reshape(packed.shape[0], *shape)
+            offset += nbytes
+        return out
+
+
+def _exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return torch.cumsum(t, dim=dim) - t
+
+
+def _channel_counts(mask: torch.Tensor, num_channels: int) -> torch.Tensor:
+    """[cols, C] counts of True per column and channel of `mask` [T, cols] (channel = token // ceil(T/C))."""
+    num_tokens, cols = mask.shape
+    counts = torch.zeros((num_channels, cols), dtype=torch.int64, device=mask.device)
+    if num_tokens:
+        per_channel = -(-num_tokens // num_channels)
+        channel = torch.arange(num_tokens, device=mask.device) // per_channel
+        counts.index_add_(0, channel, mask.to(torch.int64))
+    return counts.t()
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Per column of `mask` [T, cols]: index of each True among that column's Trues, -1 where False."""
+    return torch.where(mask, torch.cumsum(mask.to(torch.int32), dim=0, dtype=torch.int32) - 1,
+                       torch.full_like(mask, -1, dtype=torch.int32))
+
+
+class ReferenceTransport(Transport):
+    name = "reference"
+
+    def __init__(self, group: Group, topology: Topology, device: torch.device) -> None:
+        super().__init__(group, topology, device)
+        self._call_number = 0
+
+    # ---- agreement --------------------------------------------------------------------------------
+    def _agree(self, op: str, fields: Dict[str, int], extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """All-gather this rank's header; raise on every rank if any rank's operation or shapes differ.
+
+        Returns the gathered `extra` rows ([R, len(extra)]), which must have the same length on every rank
+        for the same operation (e.g. `num_tokens_per_rank`)."""
+        self._call_number += 1
+        values = [_OPS[op], self._call_number] + list(fields.values())
+        assert len(values) <= _HEADER_FIELDS
+        header = torch.zeros(_HEADER_FIELDS + self.topology.num_ranks, dtype=torch.int64)
+        header[:len(values)] = torch.tensor(values, dtype=torch.int64)
+        if extra is not None:
+            header[_HEADER_FIELDS:_HEADER_FIELDS + extra.numel()] = extra.to("cpu", torch.int64)
+        gathered = self.group.all_gather(header, f"{op} (header exchange)")
+        mine = gathered[self.topology.rank, :len(values)]
+        for rank in range(self.topology.num_ranks):
+            theirs = gathered[rank, :len(values)]
+            if torch.equal(theirs, mine):
+                continue
+            names = ["operation", "call number"] + list(fields)
+            index = int((theirs != mine).nonzero()[0])
+            if index == 0:
+                ops = {v: k for k, v in _OPS.items()}
+                raise ValueError(f"rank {self.topology.rank} called {op} while rank {rank} called "
+                                 f"{ops.get(int(theirs[0]), 'another operation')}: all ranks must make the same calls")
+            raise ValueError(f"{op}: {names[index]} is {int(mine[index])} on rank {self.topology.rank} but "
+                             f"{int(theirs[index])} on rank {rank}; every rank must pass the same value")
+        return gathered[:, _HEADER_FIELDS:]
+
+    def _exchange_counts(self, per_destination: torch.Tensor, what: str) -> torch.Tensor:
+        """All-to-all of one int64 row per destination rank: returns one row per source rank."""
+        send = per_destination.to(torch.int64).contiguous()
+        recv = torch.empty_like(send)
+        self.group.all_to_all(recv, send, None, None, what).wait()
+        return recv
+
+    def _exchange_rows(self, packed: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                       what: str):
+        recv = packed.new_empty((sum(recv_splits), packed.shape[1]))
+        return self.group.all_to_all(recv, packed, recv_splits, send_splits, what)
+
+    # ---- layout -------------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        topo = self.topology
+        experts_per_rank = num_experts // topo.num_ranks
+        valid = topk_idx >= 0
+        experts = topk_idx[valid]
+        num_tokens_per_expert = torch.bincount(experts, minlength=num_experts).to(torch.int32)
+        rank_of = torch.where(valid, topk_idx // experts_per_rank, torch.full_like(topk_idx, topo.num_ranks))
+        hits = torch.zeros((topk_idx.shape[0], topo.num_ranks + 1), dtype=torch.bool, device=topk_idx.device)
+        hits.scatter_(1, rank_of, True)
+        is_token_in_rank = hits[:, :topo.num_ranks].contiguous()
+        num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+        num_tokens_per_rdma_rank = None
+        if topo.is_internode:
+            in_node = is_token_in_rank.view(-1, topo.num_nodes, topo.ranks_per_node).any(-1)
+            num_tokens_per_rdma_rank = in_node.sum(0, dtype=torch.int32)
+        return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
+
+    # ---- normal dispatch ------------------------------------------------------------------------------
+    def _dispatch_header(self, x, x_scales, topk_idx, num_channels, **more) -> Dict[str, int]:
+        return dict(hidden=x.shape[1], dtype=_DTYPE_CODES.get(x.dtype, 0),
+                    num_scales=-1 if x_scales is None else x_scales.shape[1],
+                    scales_dtype=0 if x_scales is None else _DTYPE_CODES.get(x_scales.dtype, 0),
+                    topk=-1 if topk_idx is None else topk_idx.shape[1], num_channels=num_channels, **more)
+
+    def _node_masks(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:
+        """[T, nodes] int32 bitmask of the local ranks of each node that receive each token."""
+        topo = self.topology
+        bits = torch.ones(topo.ranks_per_node, dtype=torch.int64, device=is_token_in_rank.device)
+        bits = bits << torch.arange(topo.ranks_per_node, device=is_token_in_rank.device)
+        masks = (is_token_in_rank.view(-1, topo.num_nodes, topo.ranks_per_node).to(torch.int64) * bits).sum(-1)
+        return torch.where(masks >= 2 ** 31, masks - 2 ** 32, masks).to(torch.int32)
+
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                 num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels):
+        topo = self.topology
+        num_ranks, num_experts = topo.num_ranks, num_tokens_per_expert.numel()
+        experts_per_rank = num_experts // num_ranks
+        gathered_per_rank = self._agree("dispatch", self._dispatch_header(
+            x, x_scales, topk_idx, num_channels, num_experts=num_experts,
+            has_weights=int(topk_weights is not None)), extra=num_tokens_per_rank)
+        # counts per destination: [per-expert counts of its experts | its channel counts | node channel counts]
+        channel_counts = _channel_counts(is_token_in_rank, num_channels)             # [R, C]
+        parts = [num_tokens_per_expert.view(num_ranks, experts_per_rank).to(torch.int64), channel_counts]
+        in_node = None
+        if topo.is_internode:
+            in_node = is_token_in_rank.view(-1, topo.num_nodes, topo.ranks_per_node).any(-1)
+            node_channel_counts = _channel_counts(in_node, num_channels)              # [nodes, C]
+            parts.append(node_channel_counts.repeat_interleave(topo.ranks_per_node, dim=0))
+        received = self._exchange_counts(torch.cat(parts, dim=1), "dispatch (count exchange)").cpu()
+        recv_expert_counts = received[:, :experts_per_rank]
+        recv_channel_counts = received[:, experts_per_rank:experts_per_rank + num_channels]
+        recv_per_source = recv_channel_counts.sum(1)
+        num_recv = int(recv_per_source.sum())
+        per_expert = recv_expert_counts.sum(0)
+        aligned = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
+        if num_worst_tokens and num_recv > num_worst_tokens:
+            raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens} is smaller than the {num_recv} tokens "
+                             f"rank {topo.rank} receives")
+        num_rows = num_worst_tokens or num_recv
+
+        recv = self._exchange_dispatch_rows(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
+                                            recv_per_source.tolist(), "dispatch (data exchange)",
+                                            with_node_mask=topo.is_internode)
+        out = self._place_rows(recv, x, x_scales, topk_idx, topk_weights, num_recv, num_rows, experts_per_rank)
+
+        rank_prefix_matrix = torch.cumsum(gathered_per_rank[:, :num_ranks], dim=0).to(torch.int32)
+        recv_src_idx = torch.full((num_rows,), -1, dtype=torch.int32)
+        recv_src_idx[:num_recv] = recv["token"].cpu()
+        recv_src_idx = recv_src_idx.to(self.device)
+        send_head = _positions(is_token_in_rank)
+        channel_prefix = torch.cumsum(channel_counts, dim=1).to(torch.int32)
+        recv_channel_prefix = _exclusive_cumsum(recv_channel_counts, dim=1).to(torch.int32)
+        dev = self.device
+        if not topo.is_internode:
+            out.handle = (rank_prefix_matrix.to(dev), channel_prefix, recv_channel_prefix.to(dev),
+                          recv_src_idx, is_token_in_rank, send_head)
+        else:
+            out.handle = self._internode_handle(received, in_node, node_channel_counts, channel_prefix,
+                                                recv_channel_counts, rank_prefix_matrix, recv, num_recv, num_rows,
+                                                is_token_in_rank, experts_per_rank, num_channels)
+        out.num_recv_tokens_per_expert_list = [] if num_worst_tokens else aligned.tolist()
+        return out
+
+    def _exchange_dispatch_rows(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, recv_splits,
+                                what, with_node_mask):
+        """Send token t to every rank d with is_token_in_rank[t, d], in (d, t) order; returns unpacked rows."""
+        destination, token = is_token_in_rank.t().nonzero(as_tuple=True)
+        packer = _Packer()
+        packer.add("x", _take(x, token))
+        if x_scales is not None:
+            packer.add("scales", _take(x_scales, token))
+        if topk_idx is not None:
+            packer.add("topk_idx", _take(topk_idx, token))
+        if topk_weights is not None:
+            packer.add("topk_weights", _take(topk_weights, token))
+        packer.add("token", token.to(torch.int32))
+        if with_node_mask:
+            node_of_destination = destination // self.topology.ranks_per_node
+            packer.add("node_mask", self._node_masks(is_token_in_rank)[token, node_of_destination])
+        send_splits = is_token_in_rank.sum(0).tolist()
+        packed = packer.pack(token.numel(), x.device)
+        received = self._exchange_rows(packed, send_splits, recv_splits, what).wait()
+        rows = packer.unpack(received)
+        rows["source"] = torch.repeat_interleave(torch.arange(self.topology.num_ranks, device=received.device),
+                                                 torch.tensor(recv_splits, device=received.device))
+        return rows
+
+    def _place_rows(self, recv, x, x_scales, topk_idx, topk_weights, num_recv, num_rows, experts_per_rank):
+        """Outputs of `num_rows` rows whose first `num_recv` are the received ones (worst-case tail: ids -1)."""
+        recv_x = x.new_empty((num_rows, x.shape[1]))
+        recv_x[:num_recv] = recv["x"].to(x.device)
+        recv_scales = None
+        if x_scales is not None:
+            recv_scales = torch.empty((num_rows, x_scales.shape[1]), dtype=x_scales.dtype, device=x.device)
+            recv_scales[:num_recv] = recv["scales"].to(x.device)
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            first = self.topology.rank * experts_per_rank
+            ids = recv["topk_idx"].to(x.device)
+            local = (ids >= first) & (ids < first + experts_per_rank)
+            recv_topk_idx = torch.full((num_rows, topk_idx.shape[1]), -1, dtype=topk_idx.dtype, device=x.device)
+            recv_topk_idx[:num_recv] = torch.where(local, ids - first, torch.full_like(ids, -1))
+            if topk_weights is not None:
+                weights = recv["topk_weights"].to(x.device)
+                recv_topk_weights = torch.zeros((num_rows, topk_idx.shape[1]), dtype=torch.float32, device=x.device)
+                recv_topk_weights[:num_recv] = torch.where(local, weights, torch.zeros_like(weights))
+        return DispatchOutput(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, None, None)
+
+    def _internode_handle(self, received, in_node, node_channel_counts, channel_prefix, recv_channel_counts,
+                          rank_prefix_matrix, recv, num_recv, num_rows, is_token_in_rank, experts_per_rank,
+                          num_channels):
+        topo, dev = self.topology, self.device
+        column = experts_per_rank + num_channels
+        # node-level counts that the rank with our local index on each node sent towards our node
+        same_local = torch.arange(topo.num_nodes) * topo.ranks_per_node + topo.local_rank
+        recv_node_channel_counts = received[same_local, column:column + num_channels]       # [nodes, C]
+        recv_rdma_channel_prefix = torch.cumsum(recv_node_channel_counts, dim=1).to(torch.int32)
+        recv_rdma_rank_prefix_sum = torch.cumsum(recv_node_channel_counts.sum(1), dim=0).to(torch.int32)
+        rank_start = _exclusive_cumsum(recv_channel_counts.sum(1))
+        recv_gbl_channel_prefix = (rank_start[:, None] + _exclusive_cumsum(recv_channel_counts, dim=1)).to(torch.int32)
+        recv_gbl_rank_prefix_sum = rank_prefix_matrix[:, topo.rank].contiguous()
+        meta = torch.zeros((num_rows, 2), dtype=torch.int32)
+        meta[:num_recv, 0] = (recv["source"] // topo.ranks_per_node).to(torch.int32).cpu()
+        meta[:num_recv, 1] = recv["node_mask"].cpu()
+        recv_src_meta = meta.view(torch.uint8).view(num_rows, 8)
+        send_rdma_head = _positions(in_node)
+        send_nvl_head = self._send_nvl_head(is_token_in_rank, in_node, recv_node_channel_counts.sum(1))
+        rdma_channel_prefix = torch.cumsum(node_channel_counts, dim=1).to(torch.int32)
+        return (is_token_in_rank, rdma_channel_prefix, channel_prefix, recv_rdma_channel_prefix.to(dev),
+                recv_rdma_rank_prefix_sum.to(dev), recv_gbl_channel_prefix.to(dev), recv_gbl_rank_prefix_sum.to(dev),
+                recv_src_meta.to(dev), send_rdma_head, send_nvl_head.to(dev))
+
+    def _send_nvl_head(self, is_token_in_rank, in_node, recv_per_node):
+        """Exchange node masks between ranks of equal local index and turn them into per-peer row offsets."""
+        topo = self.topology
+        masks = self._node_masks(is_token_in_rank)                                     # [T, nodes]
+        node, token = in_node.t().nonzero(as_tuple=True)
+        send_splits = [0] * topo.num_ranks
+        recv_splits = [0] * topo.num_ranks
+        per_node = in_node.sum(0).tolist()
+        for n in range(topo.num_nodes):
+            peer = n * topo.ranks_per_node + topo.local_rank
+            send_splits[peer] = per_node[n]
+            recv_splits[peer] = int(recv_per_node[n])
+        packed = masks[token, node].contiguous().view(torch.uint8).view(-1, 4)
+        recv_masks = self._exchange_rows(packed, send_splits, recv_splits,
+                                         "dispatch (node mask exchange)").wait().view(torch.int32).view(-1).cpu()
+        bits = ((recv_masks[:, None] >> torch.arange(topo.ranks_per_node)) & 1).bool()    # [n_rdma, L]
+        head = torch.full(bits.shape, -1, dtype=torch.int32)
+        start = 0
+        for count in recv_splits:
+            if count:
+                block = bits[start:start + count]
+                head[start:start + count] = _positions(block)
+                start += count
+        return head
+
+    # ---- cached dispatch --------------------------------------------------------------------------------
+    def cached_dispatch(self, x, x_scales, handle, num_channels):
+        topo = self.topology
+        is_token_in_rank = handle[0] if topo.is_internode else handle[4]
+        self._agree("cached_dispatch", self._dispatch_header(x, x_scales, None, num_channels))
+        recv_per_source = self._recv_per_source(handle)
+        num_recv = int(sum(recv_per_source))
+        num_rows = (handle[7] if topo.is_internode else handle[3]).shape[0]
+        recv = self._exchange_dispatch_rows(x, x_scales, None, None, is_token_in_rank, recv_per_source,
+                                            "cached dispatch (data exchange)", with_node_mask=False)
+        return self._place_rows(recv, x, x_scales, None, None, num_recv, num_rows, 0)
+
+    def _recv_per_source(self, handle) -> List[int]:
+        topo = self.topology
+        if topo.is_internode:
+            inclusive = handle[6].to("cpu", torch.int64)
+        else:
+            inclusive = handle[0][:, topo.rank].to("cpu", torch.int64)
+        return (inclusive - torch.cat([inclusive.new_zeros(1), inclusive[:-1]])).tolist()
+
+    # ---- combine ----------------------------------------------------------------------------------------
+    def combine(self, x, handle, topk_weights, biases, num_channels):
+        topo = self.topology
+        is_token_in_rank = handle[0] if topo.is_internode else handle[4]
+        num_tokens = is_token_in_rank.shape[0]
+        self._agree("combine", dict(hidden=x.shape[1], topk=-1 if topk_weights is None else topk_weights.shape[1],
+                                    num_biases=sum(b is not None for b in biases), num_channels=num_channels))
+        recv_per_source = self._recv_per_source(handle)
+        num_recv = int(sum(recv_per_source))
+        packer = _Packer()
+        packer.add("x", x[:num_recv])
+        if topk_weights is not None:
+            packer.add("topk_weights", topk_weights[:num_recv])
+        send_back = is_token_in_rank.sum(0).tolist()
+        received = self._exchange_rows(packer.pack(num_recv, x.device), recv_per_source, send_back,
+                                       "combine (data exchange)").wait()
+        rows = packer.unpack(received)
+        destination, token = is_token_in_rank.t().nonzero(as_tuple=True)
+
+        combined = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+        for bias in biases:
+            if bias is not None:
+                combined += bias.float()
+        combined_weights = None
+        if topk_weights is not None:
+            combined_weights = torch.zeros((num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
+        values = rows["x"].float()
+        weights = rows.get("topk_weights")
+        bounds = [0] + torch.cumsum(torch.tensor(send_back), 0).tolist()
+        if not topo.is_internode:
+            for d in range(topo.num_ranks):
+                part = slice(bounds[d], bounds[d + 1])
+                combined.index_add_(0, token[part], values[part])
+                if weights is not None:
+                    combined_weights.index_add_(0, token[part], weights[part])
+        else:
+            in_node = is_token_in_rank.view(-1, topo.num_nodes, topo.ranks_per_node).any(-1)
+            for n in range(topo.num_nodes):
+                partial = torch.zeros_like(combined)
+                partial_weights = None if weights is None else torch.zeros_like(combined_weights)
+                for d in range(n * topo.ranks_per_node, (n + 1) * topo.ranks_per_node):
+                    part = slice(bounds[d], bounds[d + 1])
+                    partial.index_add_(0, token[part], values[part])
+                    if weights is not None:
+                        partial_weights.index_add_(0, token[part], weights[part])
+                hit = in_node[:, n].nonzero(as_tuple=True)[0]
+                combined.index_add_(0, hit, partial[hit].to(torch.bfloat16).float())
+                if weights is not None:
+                    combined_weights.index_add_(0, hit, partial_weights[hit])
+        return combined.to(torch.bfloat16), combined_weights
+
+    # ---- low-latency --------------------------------------------------------------------------------------
+    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats):
+        topo = self.topology
+        num_ranks, hidden = topo.num_ranks, x.shape[1]
+        experts_per_rank = num_experts // num_ranks
+        self._agree("ll_dispatch", dict(hidden=hidden, num_max_tokens=num_max_tokens, num_experts=num_experts,
+                                        use_fp8=int(options.use_fp8), round_scale=int(options.round_scale),
+                                        use_ue8m0=int(options.use_ue8m0), topk=topk_idx.shape[1]))
+        num_tokens, topk = topk_idx.shape
+        selected = topk_idx >= 0
+        if mask is not None:
+            owner_masked = mask.to(topk_idx.device)[(topk_idx // experts_per_rank).clamp(0, num_ranks - 1)] != 0
+            selected &= ~owner_masked
+        token, slot = selected.nonzero(as_tuple=True)          # ordered by (token, slot)
+        expert = topk_idx[token, slot]
+        order = torch.sort(expert, stable=True).indices         # by expert, then (token, slot)
+        token, expert = token[order], expert[order]
+        send_expert_counts = torch.bincount(expert, minlength=num_experts).view(num_ranks, experts_per_rank)
+        sent_counts = self._exchange_counts(send_expert_counts, "low_latency_dispatch (count exchange)").cpu()
+        recv_expert_counts = sent_counts.clone()          # [R, E_loc]; rows from masked sources are dropped
+        if mask is not None:
+            recv_expert_counts[mask.cpu() != 0] = 0
+        packer = _Packer()
+        if options.use_fp8:
+            data, scales = per_token_cast_to_fp8(x, round_scale=options.round_scale)
+            packer.add("x", _take(data, token))
+            packer.add("scales", _take(scales, token))
+        else:
+            packer.add("x", _take(x, token))
+        packer.add("token", token.to(torch.int32))
+        packer.add("expert", (expert % experts_per_rank).to(torch.int32))
+        send_splits = send_expert_counts.sum(1).tolist()
+        recv_splits = sent_counts.sum(1).tolist()
+        pending = self._exchange_rows(packer.pack(token.numel(), x.device), send_splits, recv_splits,
+                                      "low_latency_dispatch (data exchange)")
+
+        slots = num_ranks * num_max_tokens
+        dev = x.device
+        if options.use_fp8:
+            recv_x = torch.empty((experts_per_rank, slots, hidden), dtype=torch.float8_e4m3fn, device=dev)
+            groups = num_scale_groups(hidden)
+            words = -(-groups // 4) if options.use_ue8m0 else groups
+            recv_scales = torch.empty((experts_per_rank, words, slots), dtype=torch.int32 if options.use_ue8m0
+                                      else torch.float32, device=dev).transpose(1, 2)
+        else:
+            recv_x = torch.empty((experts_per_rank, slots, hidden), dtype=torch.bfloat16, device=dev)
+            recv_scales = None
+        recv_count = recv_expert_counts.sum(0).to(torch.int32).to(dev)
+        begin = _exclusive_cumsum(recv_expert_counts, dim=0)                              # [R, E_loc]
+        layout_range = ((begin << 32) | recv_expert_counts).t().contiguous().to(dev)
+        src_info = torch.full((experts_per_rank, slots), -1, dtype=torch.int32, device=dev)
+        output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
+
+        def receive() -> None:
+            started = _now_ns()
+            received = pending.wait()
+            waited = _now_ns() - started
+            rows = packer.unpack(received)
+            source = torch.repeat_interleave(torch.arange(num_ranks), torch.tensor(recv_splits, dtype=torch.int64))
+            keep = (mask.cpu()[source] == 0) if mask is not None else torch.ones_like(source, dtype=torch.bool)
+            local_expert = rows["expert"].long().cpu()
+            group_start = _exclusive_cumsum(sent_counts.flatten()).view(num_ranks, experts_per_rank)
+            rank_in_group = torch.arange(source.numel()) - group_start[source, local_expert]
+            position = begin[source, local_expert] + rank_in_group
+            keep_idx = keep.nonzero(as_tuple=True)[0]
+            e, p = local_expert[keep_idx].to(dev), position[keep_idx].to(dev)
+            keep_dev = keep_idx.to(dev)
+            _put(recv_x, e, p, _take(rows["x"], keep_idx.to(rows["x"].device)).to(dev))
+            src_info[e, p] = rows["token"][keep_dev].to(dev)
+            if options.use_fp8:
+                scales = rows["scales"][keep_dev].to(dev)
+                recv_scales[e, p] = pack_ue8m0(scales) if options.use_ue8m0 else scales
+            if wait_stats is not None:
+                _add_wait(wait_stats, waited, mask)
+        return output, receive
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt,
+                            mask, out, wait_stats):
+        topo = self.topology
+        num_ranks = topo.num_ranks
+        experts_per_rank, hidden = x.shape[0], x.shape[2]
+        num_experts = experts_per_rank * num_ranks
+        self._agree("ll_combine", dict(hidden=hidden, num_max_tokens=num_max_tokens, num_experts=num_experts,
+                                       use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]))
+        counts = (layout_range & 0xFFFFFFFF).cpu()                                        # [E_loc, R]
+        begins = (layout_range >> 32).cpu()
+        # rows to return, grouped by source rank, then local expert (each block in slot order)
+        expert_ids, positions = [], []
+        per_source = counts.sum(0)
+        flat_counts = counts.t().flatten()                                                # [R * E_loc] source-major
+        flat_begins = begins.t().flatten()
+        expert_of_block = torch.arange(experts_per_rank).repeat(num_ranks)
+        total = int(flat_counts.sum())
+        block = torch.repeat_interleave(torch.arange(flat_counts.numel()), flat_counts)
+        offset_in_block = torch.arange(total) - _exclusive_cumsum(flat_counts)[block]
+        expert_ids = expert_of_block[block].to(x.device)
+        positions = (flat_begins[block] + offset_in_block).to(x.device)
+        rows = x[expert_ids, positions]
+        if use_logfmt:
+            rows = logfmt_roundtrip(rows)
+        packer = _Packer()
+        packer.add("x", rows)
+        packer.add("token", src_info[expert_ids, positions])
+        packer.add("expert", (expert_ids + topo.rank * experts_per_rank).to(torch.int32))
+        send_splits = per_source.tolist()
+        recv_splits = self._exchange_counts(per_source.view(num_ranks, 1),
+                                            "low_latency_combine (count exchange)").view(-1).tolist()
+        pending = self._exchange_rows(packer.pack(total, x.device), send_splits, recv_splits,
+                                      "low_latency_combine (data exchange)")
+        num_tokens = topk_idx.shape[0]
+
+        def receive() -> None:
+            started = _now_ns()
+            received = pending.wait()
+            waited = _now_ns() - started
+            back = packer.unpack(received)
+            token = back["token"].long().to(out.device)
+            expert = back["expert"].long().to(out.device)
+            values = back["x"].to(out.device)
+            # look up the row of every (token, slot) selection by its key expert * T + token
+            keys = expert * max(num_tokens, 1) + token
+            order = torch.argsort(keys, stable=True)
+            sorted_keys = keys[order]
+            accumulator = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=out.device)
+            valid = topk_idx >= 0
+            if mask is not None:
+                owner = (topk_idx // experts_per_rank).clamp(0, num_ranks - 1)
+                valid &= mask.to(topk_idx.device)[owner] == 0
+            token_ids = torch.arange(num_tokens, device=out.device)
+            for k in range(topk_idx.shape[1]):
+                selected = valid[:, k].nonzero(as_tuple=True)[0]
+                if selected.numel() == 0:
+                    continue
+                want = topk_idx[selected, k] * max(num_tokens, 1) + token_ids[selected]
+                where = torch.searchsorted(sorted_keys, want).clamp(max=max(sorted_keys.numel() - 1, 0))
+                if sorted_keys.numel() == 0 or not torch.equal(sorted_keys[where], want):
+                    raise ValueError(f"low_latency_combine: topk_idx[:, {k}] names an expert that the matching "
+                                     "low_latency_dispatch did not send the token to; pass the dispatch's topk_idx "
+                                     "(entries may only be replaced by -1)")
+                row = values[order[where]].float()
+                accumulator[selected] += topk_weights[selected, k, None] * row
+            out.copy_(accumulator.to(torch.bfloat16))
+            if wait_stats is not None:
+                _add_wait(wait_stats, waited, mask)
+
+        return receive
+
+
+def _put(target: torch.Tensor, first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor) -> None:
+    """`target[first, second] = rows` for any dtype (float8 is written as bytes)."""
+    if target.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        target, rows = target.view(torch.uint8), rows.view(torch.uint8)
+    target[first, second] = rows
+
+
+def _now_ns() -> int:
+    import time
+    return time.perf_counter_ns()
+
+
+def _add_wait(stats: torch.Tensor, waited_ns: int, mask: Optional[torch.Tensor]) -> None:
+    add = torch.full_like(stats, waited_ns)
+    if mask is not None:
+        add[mask.to(stats.device) != 0] = 0
+    stats += add
