@@ -54,9 +54,10 @@ class Group:
             self.rank, self.size = group.rank(), group.size()
             backend = str(dist.get_backend(group)).lower()
             self.cuda_native = "nccl" in backend
+            self.cpu_native = "gloo" in backend or "mpi" in backend or not self.cuda_native
         else:
             self.rank, self.size = comm.Get_rank(), comm.Get_size()
-            self.cuda_native = False
+            self.cuda_native, self.cpu_native = False, True
         self._broken: Optional[str] = None
 
     # ---- object collectives (construction time) -----------------------------------------------------
@@ -142,16 +143,18 @@ class Group:
         return self.group
 
     def _collective_device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.cuda_native else torch.device("cpu")
+        return torch.device("cpu") if self.cpu_native else torch.device("cuda", torch.cuda.current_device())
 
     def _stage(self, tensor: torch.Tensor, empty: bool = False) -> torch.Tensor:
         """The tensor as the backend can move it: CUDA tensors go through host memory on a gloo group,
-        and float8 travels as bytes (gloo has no float8 type)."""
+        CPU tensors through the GPU on an NCCL group, and float8 travels as bytes (gloo has no float8)."""
         if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             tensor = tensor.view(torch.uint8)
-        if tensor.is_cuda and not self.cuda_native:
-            return torch.empty(tensor.shape, dtype=tensor.dtype) if empty else tensor.cpu()
-        return tensor
+        native = self.cuda_native if tensor.is_cuda else self.cpu_native
+        if native:
+            return tensor
+        device = self._collective_device()
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=device) if empty else tensor.to(device)
 
 
 # `all_gather_into_tensor` was renamed `all_gather_single` in newer torch releases.
