@@ -1,0 +1,123 @@
+"""The benchmark command (`python -m deep_ep.bench`) on CPU with a tiny shape and 2 gloo ranks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-ranks", "2", "--device", "cpu", "--tokens", "64", "--hidden", "256", "--topk", "4",
+        "--experts", "8", "--ll-tokens", "16", "--ll-experts", "8", "--warmup", "1", "--iters", "2"]
+ALL_OPS = {"layout", "dispatch_bf16", "dispatch_fp8", "dispatch_cached", "combine",
+           "ll_dispatch_fp8", "ll_dispatch_bf16", "ll_combine"}
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("DEEP_EP_TRANSPORT", None)
+    return env
+
+
+def _bench(*extra: str, script: str = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    command = [sys.executable, script] if script else [sys.executable, "-m", "deep_ep.bench"]
+    return subprocess.run(command + TINY + list(extra), capture_output=True, text=True, timeout=timeout,
+                          env=_env(), cwd=ROOT)
+
+
+def test_bench_json_cpu():
+    proc = _bench("--json")
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    report = json.loads(proc.stdout)
+    assert report["ok"] is True
+    assert report["verification"]["passed"] is True
+    assert len(report["verification"]["checks"]) >= 8
+    config = report["config"]
+    assert config["num_ranks"] == 2 and config["device"] == "cpu" and config["backend"] == "gloo"
+    assert config["transport"] and config["tokens"] == 64 and config["hidden"] == 256
+    assert set(report["ops"]) == ALL_OPS
+    for name, op in report["ops"].items():
+        assert op["time_us"] > 0 and op["time_us_max_rank"] >= op["time_us"], name
+        assert len(op["time_us_per_rank"]) == 2 and all(t > 0 for t in op["time_us_per_rank"]), name
+        if name == "layout":
+            assert op["bytes"] is None and op["baseline"] is None
+            continue
+        assert op["bytes"] > 0 and op["gbps"] > 0, name
+        assert op["baseline"]["time_us"] > 0 and op["baseline"]["gbps"] > 0, name
+        assert op["ratio_vs_baseline"] == pytest.approx(op["time_us"] / op["baseline"]["time_us"]), name
+    # DeepEP's logical bytes: FP8 dispatch = BF16 bytes * (1 + 4/128) / 2; combine = BF16 dispatch bytes
+    ops = report["ops"]
+    assert ops["dispatch_fp8"]["bytes"] == int(ops["dispatch_bf16"]["bytes"] * (1 + 4 / 128) / 2)
+    assert ops["combine"]["bytes"] == ops["dispatch_bf16"]["bytes"] == ops["dispatch_cached"]["bytes"]
+    assert ops["ll_combine"]["bytes"] == ops["ll_dispatch_bf16"]["bytes"]
+    selections = ops["ll_dispatch_bf16"]["bytes"] // (2 * 256)
+    assert ops["ll_dispatch_fp8"]["bytes"] == selections * (256 + 2 * 4 + 16)
+    # the table goes to stderr with --json, with one progress line per phase
+    assert "ours/baseline" in proc.stderr and "verification: passed" in proc.stderr
+    assert proc.stderr.count("[deep_ep.bench] [") == 10
+
+
+def test_bench_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "bench.png"
+    proc = _bench("--mode", "normal", "--plot", str(target))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "dispatch BF16" in proc.stdout
+    assert target.exists() and target.stat().st_size > 1000
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_fails_loudly_on_a_wrong_result(tmp_path):
+    # The spawned ranks re-import the launching script, so this patch reaches every rank.
+    script = tmp_path / "broken_combine.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import deep_ep.buffer
+
+        _combine = deep_ep.buffer.Buffer.combine
+
+        def combine(self, *args, **kwargs):
+            combined_x, combined_w, event = _combine(self, *args, **kwargs)
+            return combined_x * 2, combined_w, event
+
+        deep_ep.buffer.Buffer.combine = combine
+
+        if __name__ == "__main__":
+            from deep_ep.bench import main
+            sys.exit(main(sys.argv[1:]))
+    """))
+    proc = _bench("--mode", "normal", "--json", script=str(script))
+    assert proc.returncode == 1, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "combine BF16 FAILED" in proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] is False and report["verification"]["passed"] is False
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    from deep_ep.bench import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(TINY + ["--experts", "7"])
+    assert exit_info.value.code == 2
+    assert "--experts (7) must be a multiple of --num-ranks (2)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(TINY + ["--num-sms", "3"])
+    assert exit_info.value.code == 2
+
+
+def test_bench_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    from deep_ep.bench import main
+    assert main(TINY + ["--plot", str(tmp_path / "x.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
