@@ -143,8 +143,10 @@ class ReferenceTransport(Transport):
         topo = self.topology
         experts_per_rank = num_experts // topo.num_ranks
         valid = topk_idx >= 0
-        experts = topk_idx[valid]
-        num_tokens_per_expert = torch.bincount(experts, minlength=num_experts).to(torch.int32)
+        shifted = torch.where(valid, topk_idx + 1, torch.zeros_like(topk_idx)).flatten()  # slot 0 = no expert
+        num_tokens_per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_idx.device)
+        num_tokens_per_expert.scatter_add_(0, shifted, torch.ones_like(shifted, dtype=torch.int32))
+        num_tokens_per_expert = num_tokens_per_expert[1:]
         rank_of = torch.where(valid, topk_idx // experts_per_rank, torch.full_like(topk_idx, topo.num_ranks))
         hits = torch.zeros((topk_idx.shape[0], topo.num_ranks + 1), dtype=torch.bool, device=topk_idx.device)
         hits.scatter_(1, rank_of, True)
@@ -242,8 +244,7 @@ class ReferenceTransport(Transport):
         packed = packer.pack(token.numel(), x.device)
         received = self._exchange_rows(packed, send_splits, recv_splits, what).wait()
         rows = packer.unpack(received)
-        rows["source"] = torch.repeat_interleave(torch.arange(self.topology.num_ranks, device=received.device),
-                                                 torch.tensor(recv_splits, device=received.device))
+        rows["source"] = _segment_ids(recv_splits)
         return rows
 
     def _place_rows(self, recv, x, x_scales, topk_idx, topk_weights, num_recv, num_rows, experts_per_rank):
@@ -445,7 +446,7 @@ class ReferenceTransport(Transport):
             received = pending.wait()
             waited = _now_ns() - started
             rows = packer.unpack(received)
-            source = torch.repeat_interleave(torch.arange(num_ranks), torch.tensor(recv_splits, dtype=torch.int64))
+            source = _segment_ids(recv_splits)
             keep = (mask.cpu()[source] == 0) if mask is not None else torch.ones_like(source, dtype=torch.bool)
             local_expert = rows["expert"].long().cpu()
             group_start = _exclusive_cumsum(sent_counts.flatten()).view(num_ranks, experts_per_rank)
@@ -480,7 +481,7 @@ class ReferenceTransport(Transport):
         flat_begins = begins.t().flatten()
         expert_of_block = torch.arange(experts_per_rank).repeat(num_ranks)
         total = int(flat_counts.sum())
-        block = torch.repeat_interleave(torch.arange(flat_counts.numel()), flat_counts)
+        block = _segment_ids(flat_counts.tolist())
         offset_in_block = torch.arange(total) - _exclusive_cumsum(flat_counts)[block]
         expert_ids = expert_of_block[block].to(x.device)
         positions = (flat_begins[block] + offset_in_block).to(x.device)
@@ -515,24 +516,31 @@ class ReferenceTransport(Transport):
             if mask is not None:
                 owner = (topk_idx // experts_per_rank).clamp(0, num_ranks - 1)
                 valid &= mask.to(topk_idx.device)[owner] == 0
-            token_ids = torch.arange(num_tokens, device=out.device)
-            for k in range(topk_idx.shape[1]):
-                selected = valid[:, k].nonzero(as_tuple=True)[0]
-                if selected.numel() == 0:
-                    continue
-                want = topk_idx[selected, k] * max(num_tokens, 1) + token_ids[selected]
-                where = torch.searchsorted(sorted_keys, want).clamp(max=max(sorted_keys.numel() - 1, 0))
-                if sorted_keys.numel() == 0 or not torch.equal(sorted_keys[where], want):
-                    raise ValueError(f"low_latency_combine: topk_idx[:, {k}] names an expert that the matching "
-                                     "low_latency_dispatch did not send the token to; pass the dispatch's topk_idx "
-                                     "(entries may only be replaced by -1)")
-                row = values[order[where]].float()
-                accumulator[selected] += topk_weights[selected, k, None] * row
+            # every valid (token, slot) finds its returned row by the key expert * T + token
+            token_of, slot_of = valid.nonzero(as_tuple=True)
+            want = topk_idx[token_of, slot_of] * max(num_tokens, 1) + token_of
+            where = torch.searchsorted(sorted_keys, want).clamp(max=max(sorted_keys.numel() - 1, 0))
+            if want.numel() and (sorted_keys.numel() == 0 or not torch.equal(sorted_keys[where], want)):
+                raise ValueError("low_latency_combine: topk_idx names an expert that the matching low_latency_dispatch "
+                                 "did not send the token to; pass the dispatch's topk_idx (entries may only become -1)")
+            weighted = torch.zeros((num_tokens, topk_idx.shape[1], hidden), dtype=torch.float32, device=out.device)
+            weighted[token_of, slot_of] = values[order[where]].float() * topk_weights[token_of, slot_of, None]
+            for k in range(topk_idx.shape[1]):  # fixed order: ascending top-k slot
+                accumulator += weighted[:, k]
             out.copy_(accumulator.to(torch.bfloat16))
             if wait_stats is not None:
                 _add_wait(wait_stats, waited, mask)
 
         return receive
+
+
+def _segment_ids(lengths: Sequence[int]) -> torch.Tensor:
+    """[sum(lengths)] int64 on the CPU: i repeated lengths[i] times."""
+    ids = torch.zeros(sum(lengths), dtype=torch.int64)
+    bounds = torch.tensor(lengths, dtype=torch.int64).cumsum(0)[:-1]
+    bounds = bounds[bounds < ids.numel()]
+    ids.index_add_(0, bounds, torch.ones_like(bounds))
+    return ids.cumsum(0)
 
 
 def _put(target: torch.Tensor, first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor) -> None:
