@@ -519,7 +519,10 @@ class ReferenceTransport(Transport):
             # every valid (token, slot) finds its returned row by the key expert * T + token
             token_of, slot_of = valid.nonzero(as_tuple=True)
             want = topk_idx[token_of, slot_of] * max(num_tokens, 1) + token_of
-            where = torch.searchsorted(sorted_keys, want).clamp(max=max(sorted_keys.numel() - 1, 0))
+            # an expert listed twice for one token got two rows, returned in slot order: the n-th
+            # listing of a key takes the n-th returned row of that key
+            where = torch.searchsorted(sorted_keys, want) + _occurrence(want)
+            where = where.clamp(max=max(sorted_keys.numel() - 1, 0))
             if want.numel() and (sorted_keys.numel() == 0 or not torch.equal(sorted_keys[where], want)):
                 raise ValueError("low_latency_combine: topk_idx names an expert that the matching low_latency_dispatch "
                                  "did not send the token to; pass the dispatch's topk_idx (entries may only become -1)")
@@ -532,6 +535,16 @@ class ReferenceTransport(Transport):
                 _add_wait(wait_stats, waited, mask)
 
         return receive
+
+
+def _occurrence(keys: torch.Tensor) -> torch.Tensor:
+    """For each entry, how many earlier entries have the same key."""
+    order = torch.argsort(keys, stable=True)
+    sorted_keys = keys[order]
+    rank_in_key = torch.arange(keys.numel(), device=keys.device) - torch.searchsorted(sorted_keys, sorted_keys)
+    occurrence = torch.empty_like(rank_in_key)
+    occurrence[order] = rank_in_key
+    return occurrence
 
 
 def _segment_ids(lengths: Sequence[int]) -> torch.Tensor:
