@@ -1,0 +1,767 @@
+"""The public API surface, exactly as the client frameworks touch it (DeepEP V1's names and shapes).
+
+Single-process checks (imports, Config, size hints, default configs, set_num_sms, events, signatures) run in
+the test process. Everything that needs a Buffer runs in ONE `pool(2).run` (spawning ranks is the expensive
+part): every rank records failures per named check instead of raising, and the module fixture hands the
+results to one small pytest test per check.
+
+Contract sources: the spec (/work/shared/spec/deepep_v1_api.md sections 1, 2, 3), the client checklist
+(/work/shared/research/clients.md section 1) and docs/DESIGN.md (extra keyword-only Buffer options, error
+types: ValueError for values, RuntimeError after destroy).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import re
+import traceback
+import weakref
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import deep_ep
+from deep_ep import Buffer, Config, EventHandle, EventOverlap
+
+# ---------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------
+_EMPTY = inspect.Parameter.empty
+
+
+def names_in(message: str, *names: str) -> bool:
+    """True when every name occurs in `message` as a whole identifier (not inside a longer one)."""
+    return all(re.search(rf"(?<![A-Za-z0-9_]){re.escape(n)}(?![A-Za-z0-9_])", message) for n in names)
+
+
+def nvl_formula(num_sms, nvl_recv, hidden_bytes, num_ranks):
+    """Spec 1.5, written independently of the library."""
+    rr, rn, c, q, i, m = max(num_ranks // 8, 1), min(num_ranks, 8), num_sms // 2, nvl_recv, 8, 8
+    total = (c * rn * (2 * rr + 3) * 4 + c * rn * q * hidden_bytes + c * rn * q * m + c * rn * q * 128 * i
+             + c * rn * q * 128 * 4 + c * rn * q * 128 * 4)
+    return (total + 127) // 128 * 128
+
+
+def rdma_formula(num_sms, rdma_send, rdma_recv, hidden_bytes, num_ranks):
+    """Spec 1.5 (rdma_recv rounded up to a multiple of rdma_send first)."""
+    if num_ranks <= 8:
+        return 0
+    q = (rdma_recv + rdma_send - 1) // rdma_send * rdma_send
+    rr, c, i = num_ranks // 8, num_sms // 2, 8
+    total = (c * rr * (8 * 2 + 2) * 2 * 4 + c * rr * q * hidden_bytes * 2 + c * rr * q * 8 * 2
+             + c * rr * q * 128 * i * 2 + c * rr * q * 128 * 4 * 2 + c * rr * q * 128 * 4 * 2 + c * rr * q * 16 * 2)
+    return (total + 127) // 128 * 128
+
+
+def ll_formula(n, hidden, num_experts):
+    """Spec 9.1."""
+    s = hidden // 128
+    dm, cm = 16 + max(2 * hidden, hidden + 4 * s), 4 * s + 2 * hidden
+    send, recv = max(n * dm, num_experts * n * cm), max(num_experts * n * dm, num_experts * n * cm)
+    sig = (4 * num_experts + 127) // 128 * 128
+    total = 2 * send + 2 * recv + 2 * sig
+    return (total + 128) // 128 * 128
+
+
+# DeepEP's tuned table (spec 2.3): (nvl_send, nvl_recv, rdma_send, rdma_recv)
+DISPATCH_TABLE = {
+    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+    24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
+    96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128),
+}
+COMBINE_TABLE = {
+    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
+    96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
+}
+
+
+@pytest.fixture
+def restore_num_sms():
+    before = Buffer.num_sms
+    yield
+    Buffer.num_sms = before
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. imports (clients.md 1.1)
+# ---------------------------------------------------------------------------------------------------
+def test_imports_as_clients_do():
+    from deep_ep import Buffer as B, Config as C, EventHandle as EH, EventOverlap as EO  # noqa: F401
+    import deep_ep.utils
+    from deep_ep.utils import EventHandle as UEH, EventOverlap as UEO
+    assert UEH is EH and UEO is EO, "deep_ep.utils.EventHandle/EventOverlap must be the top-level classes"
+    assert deep_ep.utils.EventOverlap is deep_ep.EventOverlap
+    assert deep_ep.buffer.EventHandle is EH, "spec 1.1: EventHandle reachable as deep_ep.buffer.EventHandle"
+    assert callable(deep_ep.utils.check_nvlink_connections)
+    assert B is deep_ep.Buffer and C is deep_ep.Config
+    for cls in (B, C, EH, EO):
+        assert inspect.isclass(cls), f"{cls!r} must be a plain Python class"
+    assert deep_ep.topk_idx_t is torch.int64 and isinstance(deep_ep.topk_idx_t, torch.dtype)
+    # VL evaluates `deep_ep.Config | None` at import time; PT rejects a uccl-backed module
+    assert (deep_ep.Config | None) is not None
+    assert not Config.__module__.startswith("uccl") and not Buffer.__module__.startswith("uccl")
+    # importing must not initialise torch.distributed
+    assert not dist.is_initialized()
+
+
+def test_no_v2_or_hybrid_symbols():
+    for name in ("ElasticBuffer", "HybridEPBuffer"):
+        assert not hasattr(deep_ep, name), f"deep_ep.{name} must not exist (clients would take the V2/HybridEP path)"
+    with pytest.raises(ImportError):
+        from deep_ep import HybridEPBuffer  # noqa: F401
+    with pytest.raises(ImportError):
+        from deep_ep import ElasticBuffer  # noqa: F401
+
+
+def test_comm_timeout_error_is_runtime_error():
+    assert issubclass(deep_ep.CommTimeoutError, RuntimeError)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. Config (spec 1.5)
+# ---------------------------------------------------------------------------------------------------
+def test_config_constructor_positional_and_keyword():
+    params = list(inspect.signature(Config).parameters.values())
+    assert [(p.name, p.default) for p in params[:5]] == [
+        ("num_sms", 20), ("num_max_nvl_chunked_send_tokens", 6), ("num_max_nvl_chunked_recv_tokens", 256),
+        ("num_max_rdma_chunked_send_tokens", 6), ("num_max_rdma_chunked_recv_tokens", 256)]
+    hb = 7168 * 2
+    positional = Config(24, 8, 256, 16, 128)
+    keyword = Config(num_sms=24, num_max_nvl_chunked_send_tokens=8, num_max_nvl_chunked_recv_tokens=256,
+                     num_max_rdma_chunked_send_tokens=16, num_max_rdma_chunked_recv_tokens=128)
+    for num_ranks in (2, 8, 16, 32):
+        assert positional.get_nvl_buffer_size_hint(hb, num_ranks) == keyword.get_nvl_buffer_size_hint(hb, num_ranks)
+        assert positional.get_rdma_buffer_size_hint(hb, num_ranks) == keyword.get_rdma_buffer_size_hint(hb, num_ranks)
+    # the shipped intranode test builds Config(24, 8, 256); the defaults fill the rest
+    assert Config(24, 8, 256).get_nvl_buffer_size_hint(hb, 8) == nvl_formula(24, 256, hb, 8)
+    assert Config().get_nvl_buffer_size_hint(hb, 8) == Config(20, 6, 256, 6, 256).get_nvl_buffer_size_hint(hb, 8)
+    assert Config().get_rdma_buffer_size_hint(hb, 16) == rdma_formula(20, 6, 256, hb, 16)
+    # hint methods accept DeepEP's keyword names
+    assert Config().get_nvl_buffer_size_hint(hidden_bytes=hb, num_ranks=8) == nvl_formula(20, 256, hb, 8)
+    assert Config().get_rdma_buffer_size_hint(hidden_bytes=hb, num_ranks=16) == rdma_formula(20, 6, 256, hb, 16)
+    # DeepEP only checks num_sms >= 0 at construction; odd and zero are accepted there
+    Config(21)
+    Config(0)
+
+
+def test_config_rdma_recv_rounded_up_to_multiple_of_send():
+    hb = 4096 * 2
+    # 128 -> 140 (multiple of 20): the hint must use 140, exactly as Config(.., 20, 140) does
+    rounded = Config(20, 6, 256, 20, 128)
+    assert rounded.get_rdma_buffer_size_hint(hb, 16) == Config(20, 6, 256, 20, 140).get_rdma_buffer_size_hint(hb, 16)
+    assert rounded.get_rdma_buffer_size_hint(hb, 16) == rdma_formula(20, 20, 128, hb, 16)
+    unrounded = Config(20, 6, 256, 20, 120)   # already a multiple: stays 120
+    assert rounded.get_rdma_buffer_size_hint(hb, 16) != unrounded.get_rdma_buffer_size_hint(hb, 16)
+    if hasattr(rounded, "num_max_rdma_chunked_recv_tokens"):  # fields are optional (not readable in DeepEP)
+        assert rounded.num_max_rdma_chunked_recv_tokens == 140
+    # 128 -> 200 with send 100: then send <= recv / 2 holds, so DeepEP accepts it
+    assert Config(20, 6, 256, 100, 128).get_rdma_buffer_size_hint(hb, 16) == rdma_formula(20, 100, 200, hb, 16)
+    Config(20, 6, 256, 7, 8)  # 8 -> 14, 7 <= 7
+
+
+@pytest.mark.parametrize("args,names", [
+    ((-2,), ["num_sms"]),
+    ((20, 0, 256), ["num_max_nvl_chunked_send_tokens"]),
+    ((20, 6, 0), ["num_max_nvl_chunked_recv_tokens"]),
+    ((20, 256, 256), ["num_max_nvl_chunked_send_tokens"]),   # send must be < recv
+    ((20, 300, 256), ["num_max_nvl_chunked_send_tokens"]),
+    ((20, 6, 256, 0, 128), ["num_max_rdma_chunked_send_tokens"]),
+    ((20, 6, 256, 6, 0), ["num_max_rdma_chunked_recv_tokens"]),
+    ((20, 6, 256, 8, 8), ["num_max_rdma_chunked_send_tokens"]),   # 8 > 8 / 2
+    ((20, 6, 256, 128, 128), ["num_max_rdma_chunked_send_tokens"]),
+], ids=lambda v: str(v) if isinstance(v, tuple) else "")
+def test_config_validation(args, names):
+    with pytest.raises(ValueError) as info:
+        Config(*args)
+    assert names_in(str(info.value), *names), f"message must name {names}: {info.value}"
+
+
+def test_nvl_size_hint_worked_example_and_formula():
+    assert Config(20, 6, 256, 6, 128).get_nvl_buffer_size_hint(7168 * 2, 8) == 335709824
+    for num_sms in (2, 20, 24, 32):
+        for nvl_recv in (64, 256, 720):
+            for hidden_bytes in (256, 4096 * 2, 7168 * 2):
+                for num_ranks in (2, 4, 8, 16, 64):
+                    got = Config(num_sms, 4, nvl_recv, 6, 128).get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
+                    assert got == nvl_formula(num_sms, nvl_recv, hidden_bytes, num_ranks), \
+                        (num_sms, nvl_recv, hidden_bytes, num_ranks, got)
+                    assert isinstance(got, int) and got % 128 == 0
+
+
+def test_rdma_size_hint_formula():
+    for num_ranks in (2, 4, 8):
+        assert Config().get_rdma_buffer_size_hint(7168 * 2, num_ranks) == 0
+    for num_sms in (20, 24):
+        for send, recv in ((6, 128), (20, 128), (12, 128), (16, 128)):
+            for num_ranks in (16, 32, 64, 160):
+                got = Config(num_sms, 6, 256, send, recv).get_rdma_buffer_size_hint(7168 * 2, num_ranks)
+                assert got == rdma_formula(num_sms, send, recv, 7168 * 2, num_ranks), (num_sms, send, recv, num_ranks)
+
+
+def test_low_latency_size_hint():
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 288) == 2146961792
+    assert Buffer.get_low_latency_rdma_size_hint(16, 5120, 8, 256) == 170395776
+    assert Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank=128, hidden=7168, num_ranks=8,
+                                                 num_experts=288) == 2146961792
+    assert isinstance(inspect.getattr_static(Buffer, "get_low_latency_rdma_size_hint"), staticmethod)
+    for n in (1, 8, 128, 256):
+        for hidden in (128, 2048, 7168, 8192):
+            for experts in (2, 16, 288):
+                assert Buffer.get_low_latency_rdma_size_hint(n, hidden, 8, experts) == ll_formula(n, hidden, experts)
+    # num_ranks is not used by the formula
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 288) == \
+        Buffer.get_low_latency_rdma_size_hint(128, 7168, 64, 288)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. Buffer class helpers (spec 2.3, clients.md 1.3)
+# ---------------------------------------------------------------------------------------------------
+def _config_hints(config: Config, num_ranks: int) -> tuple:
+    hb = 7168 * 2
+    return (config.get_nvl_buffer_size_hint(hb, num_ranks), config.get_rdma_buffer_size_hint(hb, max(num_ranks, 16)),
+            config.get_nvl_buffer_size_hint(hb, 2), config.get_rdma_buffer_size_hint(hb, 16))
+
+
+@pytest.mark.parametrize("num_ranks", sorted(DISPATCH_TABLE))
+def test_default_configs_follow_deepep_table(num_ranks, restore_num_sms):
+    Buffer.num_sms = 20
+    for getter, table in ((Buffer.get_dispatch_config, DISPATCH_TABLE), (Buffer.get_combine_config, COMBINE_TABLE)):
+        config = getter(num_ranks)
+        assert isinstance(config, Config)
+        assert _config_hints(config, num_ranks) == _config_hints(Config(20, *table[num_ranks]), num_ranks)
+        assert getter(num_ranks=num_ranks) is not config, "a fresh Config per call"
+        if hasattr(config, "num_sms"):
+            assert config.num_sms == 20
+
+
+@pytest.mark.parametrize("num_ranks", [3, 5, 6, 12, 256])
+def test_default_configs_for_untuned_rank_counts(num_ranks):
+    # no whitelist: clients call these for any EP size
+    for getter in (Buffer.get_dispatch_config, Buffer.get_combine_config):
+        config = getter(num_ranks)
+        assert isinstance(config, Config)
+        hint = config.get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+        assert isinstance(hint, int) and hint > 0
+
+
+def test_set_num_sms(restore_num_sms):
+    assert isinstance(inspect.getattr_static(Buffer, "set_num_sms"), staticmethod)
+    Buffer.set_num_sms(20)
+    assert Buffer.num_sms == 20
+    hint20 = Buffer.get_dispatch_config(8).get_nvl_buffer_size_hint(7168 * 2, 8)
+    assert hint20 == Config(20, 6, 256, 6, 128).get_nvl_buffer_size_hint(7168 * 2, 8)
+    for odd in (1, 21, 25):
+        with pytest.raises(AssertionError):
+            Buffer.set_num_sms(odd)
+        assert Buffer.num_sms == 20, "a refused set_num_sms must not change num_sms"
+    Buffer.set_num_sms(24)
+    assert Buffer.num_sms == 24
+    # later default configs use the new count (V1 reads the class attribute at call time)
+    for num_ranks in (2, 8, 16):
+        got = Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+        assert got == Config(24, *DISPATCH_TABLE[num_ranks]).get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+        got = Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+        assert got == Config(24, *COMBINE_TABLE[num_ranks]).get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+    Buffer.set_num_sms(new_num_sms=20) if "new_num_sms" in inspect.signature(Buffer.set_num_sms).parameters \
+        else Buffer.set_num_sms(20)
+    assert Buffer.get_dispatch_config(8).get_nvl_buffer_size_hint(7168 * 2, 8) == hint20
+
+
+def test_static_helpers():
+    assert Buffer.num_sms == 20, "DeepEP's default class attribute"
+    assert Buffer.is_sm90_compiled() is True
+    for name in ("is_sm90_compiled", "set_num_sms", "capture", "get_low_latency_rdma_size_hint",
+                 "get_dispatch_config", "get_combine_config"):
+        assert isinstance(inspect.getattr_static(Buffer, name), staticmethod), f"Buffer.{name} must be a staticmethod"
+    ev = Buffer.capture()
+    assert isinstance(ev, EventOverlap) and isinstance(ev.event, EventHandle)
+    ev.current_stream_wait()
+    with Buffer.capture() as inner:
+        assert isinstance(inner, EventOverlap)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. EventOverlap / EventHandle on CPU (spec 1.3, 1.4; DESIGN "CPU")
+# ---------------------------------------------------------------------------------------------------
+def test_event_overlap_semantics():
+    empty = EventOverlap()
+    assert empty.event is None and empty.extra_tensors is None
+    with pytest.raises(AssertionError):
+        empty.current_stream_wait()
+    with empty as entered:          # __enter__ returns self; __exit__ without an event does nothing
+        assert entered is empty
+    assert EventOverlap(None).event is None
+
+    handle = EventHandle()
+    handle.current_stream_wait()
+    t = torch.ones(3)
+    ev = EventOverlap(handle, (t,))
+    assert ev.event is handle and ev.extra_tensors[0] is t
+    ev.current_stream_wait()
+    with ev as entered:
+        assert entered is ev
+    kw = EventOverlap(event=handle, extra_tensors=(t, t))
+    assert kw.event is handle and len(kw.extra_tensors) == 2
+    # an exception inside `with` propagates
+    with pytest.raises(KeyError):
+        with EventOverlap(handle):
+            raise KeyError("x")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. Buffer signature and class shape (clients.md 1.1/1.2)
+# ---------------------------------------------------------------------------------------------------
+BUFFER_PARAMS = [("group", _EMPTY), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0), ("low_latency_mode", False),
+                 ("num_qps_per_rank", 24), ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
+                 ("use_fabric", False), ("explicitly_destroy", False), ("enable_shrink", False), ("comm", None)]
+
+METHOD_PARAMS = {
+    "get_dispatch_layout": [("topk_idx", _EMPTY), ("num_experts", _EMPTY), ("previous_event", None),
+                            ("async_finish", False), ("allocate_on_comm_stream", False)],
+    "dispatch": [("x", _EMPTY), ("handle", None), ("num_tokens_per_rank", None), ("num_tokens_per_rdma_rank", None),
+                 ("is_token_in_rank", None), ("num_tokens_per_expert", None), ("topk_idx", None),
+                 ("topk_weights", None), ("expert_alignment", 1), ("num_worst_tokens", 0), ("config", None),
+                 ("previous_event", None), ("async_finish", False), ("allocate_on_comm_stream", False)],
+    "combine": [("x", _EMPTY), ("handle", _EMPTY), ("topk_weights", None), ("bias", None), ("config", None),
+                ("previous_event", None), ("async_finish", False), ("allocate_on_comm_stream", False)],
+    "clean_low_latency_buffer": [("num_max_dispatch_tokens_per_rank", _EMPTY), ("hidden", _EMPTY),
+                                 ("num_experts", _EMPTY)],
+    "low_latency_dispatch": [("x", _EMPTY), ("topk_idx", _EMPTY), ("num_max_dispatch_tokens_per_rank", _EMPTY),
+                             ("num_experts", _EMPTY), ("cumulative_local_expert_recv_stats", None),
+                             ("dispatch_wait_recv_cost_stats", None), ("use_fp8", True), ("round_scale", False),
+                             ("use_ue8m0", False), ("async_finish", False), ("return_recv_hook", False)],
+    "low_latency_combine": [("x", _EMPTY), ("topk_idx", _EMPTY), ("topk_weights", _EMPTY), ("handle", _EMPTY),
+                            ("use_logfmt", False), ("zero_copy", False), ("async_finish", False),
+                            ("return_recv_hook", False), ("out", None), ("combine_wait_recv_cost_stats", None)],
+    "get_next_low_latency_combine_buffer": [("handle", _EMPTY)],
+    "get_local_buffer_tensor": [("dtype", _EMPTY), ("size", None), ("offset", 0), ("use_rdma_buffer", False)],
+    "low_latency_update_mask_buffer": [("rank_to_mask", _EMPTY), ("mask", False)],
+    "low_latency_query_mask_buffer": [("mask_status", _EMPTY)],
+    "low_latency_clean_mask_buffer": [],
+    "get_comm_stream": [],
+    "destroy": [],
+    "get_dispatch_config": [("num_ranks", _EMPTY)],
+    "get_combine_config": [("num_ranks", _EMPTY)],
+    "get_low_latency_rdma_size_hint": [("num_max_dispatch_tokens_per_rank", _EMPTY), ("hidden", _EMPTY),
+                                       ("num_ranks", _EMPTY), ("num_experts", _EMPTY)],
+}
+METHOD_PARAMS["internode_dispatch"] = METHOD_PARAMS["dispatch"]
+METHOD_PARAMS["internode_combine"] = METHOD_PARAMS["combine"]
+
+
+def _positional(sig: inspect.Signature, skip_self: bool) -> List[inspect.Parameter]:
+    params = list(sig.parameters.values())
+    if skip_self and params and params[0].name == "self":
+        params = params[1:]
+    return params
+
+
+def test_buffer_signature():
+    sig = inspect.signature(Buffer)           # PT: inspect.signature(Buffer) must work and show real names
+    params = list(sig.parameters.values())
+    head = params[:len(BUFFER_PARAMS)]
+    assert [(p.name, p.default) for p in head] == BUFFER_PARAMS
+    assert all(p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for p in head)
+    # DESIGN: the extra options are keyword-only; no **kwargs (LM relies on TypeError for unknown ones)
+    for p in params[len(BUFFER_PARAMS):]:
+        assert p.kind == inspect.Parameter.KEYWORD_ONLY, f"extra Buffer option {p.name} must be keyword-only"
+    assert {"num_ranks_per_node", "transport", "timeout_s", "device"} <= {p.name for p in params}
+    assert "is_intranode" not in sig.parameters
+
+
+@pytest.mark.parametrize("method", sorted(METHOD_PARAMS))
+def test_method_signatures(method):
+    fn = getattr(Buffer, method)
+    params = _positional(inspect.signature(fn), skip_self=True)
+    assert [(p.name, p.default) for p in params] == METHOD_PARAMS[method]
+    assert all(p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+
+
+def test_buffer_is_plain_monkeypatchable_class():
+    # slime replaces Buffer.__init__ around construction
+    original = Buffer.__init__
+    calls = []
+
+    def patched(self, *args, **kwargs):
+        calls.append(args)
+        return original(self, *args, **kwargs)
+
+    Buffer.__init__ = patched
+    try:
+        with pytest.raises(ValueError) as info:
+            Buffer(None)
+        assert calls == [(None,)]
+        assert names_in(str(info.value), "group", "comm")
+    finally:
+        Buffer.__init__ = original
+    assert Buffer.__init__ is original
+
+
+def test_buffer_bad_construction_without_group():
+    with pytest.raises(ValueError) as info:
+        Buffer(None)
+    assert names_in(str(info.value), "group", "comm")
+    with pytest.raises(ValueError):
+        Buffer(None, 0, 0, comm=None)
+    with pytest.raises(TypeError) as info:
+        Buffer(None, 0, 0, bogus_option=1)
+    assert "bogus_option" in str(info.value)
+    with pytest.raises(TypeError):      # LM retries without allow_mnnvl/explicitly_destroy on TypeError
+        Buffer(None, 0, 0, is_intranode=True)
+    with pytest.raises(TypeError):      # the extras are keyword-only
+        Buffer(None, 0, 0, False, 24, True, False, False, False, False, None, 2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. Buffers on 2 ranks: one pool run, many named checks
+# ---------------------------------------------------------------------------------------------------
+T, H, E, K, N = 4, 128, 4, 2, 8      # tokens, hidden, experts, top-k, LL max tokens per rank
+
+
+class Checks:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.results: Dict[str, List[str]] = {}
+
+    @contextlib.contextmanager
+    def check(self, name: str):
+        self.results.setdefault(name, [])
+        try:
+            yield
+        except Exception:  # noqa: BLE001 - recorded, reported by the pytest test of that name
+            self.results[name].append(f"rank {self.rank}:\n{traceback.format_exc()}")
+
+    def expect(self, name: str, exc_type, fn, *names: str, label: str = "") -> None:
+        """`fn()` must raise `exc_type` (or a subclass) whose message names every entry of `names`."""
+        self.results.setdefault(name, [])
+        where = f"rank {self.rank}{' [' + label + ']' if label else ''}"
+        try:
+            fn()
+        except exc_type as error:
+            if not names_in(str(error), *names):
+                self.results[name].append(f"{where}: {exc_type.__name__} message must name {names}: {error}")
+        except Exception as error:  # noqa: BLE001
+            self.results[name].append(f"{where}: expected {exc_type.__name__}, got {type(error).__name__}: {error}")
+        else:
+            self.results[name].append(f"{where}: expected {exc_type.__name__}, nothing was raised")
+
+
+def nvl_size() -> int:
+    hb = H * 2
+    return max(Config(20, *DISPATCH_TABLE[2]).get_nvl_buffer_size_hint(hb, 2),
+               Config(20, *COMBINE_TABLE[2]).get_nvl_buffer_size_hint(hb, 2))
+
+
+def ll_size() -> int:
+    return ll_formula(N, H, E)
+
+
+def routing(ctx):
+    """Every token picks expert 0 (rank 0) and expert 2 (rank 1); x[t] = 100 * rank + t."""
+    topk_idx = torch.tensor([[0, 2]] * T, dtype=torch.int64, device=ctx.device)
+    topk_weights = torch.full((T, K), 0.5, dtype=torch.float32, device=ctx.device)
+    x = (100 * ctx.rank + torch.arange(T, dtype=torch.float32)).view(T, 1).expand(T, H)
+    return x.to(torch.bfloat16).contiguous().to(ctx.device), topk_idx, topk_weights
+
+
+def tiny_dispatch(ctx, buf, config=None, async_finish=False, previous_event=None, allocate_on_comm_stream=False,
+                  combine=True):
+    """dispatch (+ combine) of `routing`, results checked; returns (handle, dispatch event)."""
+    x, topk_idx, topk_weights = routing(ctx)
+    num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = \
+        buf.get_dispatch_layout(topk_idx, E)
+    assert num_tokens_per_rdma_rank is None
+    assert num_tokens_per_rank.tolist() == [T, T]
+    out = buf.dispatch(x, num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+                       is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
+                       topk_idx=topk_idx, topk_weights=topk_weights, config=config, async_finish=async_finish,
+                       previous_event=previous_event, allocate_on_comm_stream=allocate_on_comm_stream)
+    assert isinstance(out, tuple) and len(out) == 6
+    recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event = out
+    if async_finish:
+        event.current_stream_wait()
+    expected = torch.cat([(100 * s + torch.arange(T, dtype=torch.float32)).view(T, 1).expand(T, H) for s in range(2)])
+    assert torch.equal(recv_x.cpu().float(), expected), "dispatch rows"
+    local = [0, -1] if ctx.rank == 0 else [-1, 0]
+    assert recv_topk_idx.cpu().tolist() == [local] * (2 * T)
+    assert counts == [2 * T, 0]
+    assert isinstance(handle, tuple) and len(handle) == 6
+    if combine:
+        combined, combined_weights, cev = buf.combine(recv_x, handle, topk_weights=recv_topk_weights,
+                                                      async_finish=async_finish)
+        if async_finish:
+            cev.current_stream_wait()
+        assert torch.equal(combined.cpu().float(), 2 * x.cpu().float()), "combine = sum over the 2 ranks"
+        assert torch.equal(combined_weights.cpu(), topk_weights.cpu())
+    return handle, event
+
+
+def tiny_low_latency(ctx, buf):
+    x, topk_idx, topk_weights = routing(ctx)
+    recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(x, topk_idx, N, E, use_fp8=False)
+    assert hook is None and event.event is None
+    assert tuple(recv_x.shape) == (E // 2, 2 * N, H) and recv_x.dtype == torch.bfloat16
+    assert recv_count.cpu().tolist() == [2 * T, 0]
+    assert len(handle) == 5 and tuple(handle[2:]) == (N, H, E)
+    combined, cevent, chook = buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle)
+    assert chook is None
+    assert torch.equal(combined.cpu().float(), x.cpu().float()), "LL combine = sum_k w * x = x"
+
+
+def run_api_checks(ctx) -> Dict[str, List[str]]:
+    c = Checks(ctx.rank)
+    group = ctx.group
+    nvl, rdma = nvl_size(), ll_size()
+    other = 1 - ctx.rank
+
+    # -- local constructor errors on ONE rank only: the group must stay in step --------------------------
+    if ctx.rank == 0:
+        c.expect("constructor_errors_local", TypeError, lambda: Buffer(group, nvl, 0, bogus_option=1), "bogus_option")
+        c.expect("constructor_errors_local", ValueError, lambda: Buffer(None), "group", "comm")
+        c.expect("constructor_errors_local", ValueError, lambda: Buffer(None, nvl, 0, comm=None), "group", "comm")
+    else:
+        c.expect("constructor_errors_local", TypeError, lambda: Buffer(group, nvl, 0, is_intranode=True),
+                 "is_intranode")
+
+    # -- positional construction + attributes ------------------------------------------------------------
+    buf = None
+    with c.check("positional_construction_and_attributes"):
+        buf = Buffer(group, nvl, 0)
+        assert buf.rank == ctx.rank and buf.group_size == 2
+        assert buf.group is group
+        assert buf.num_nvl_bytes == nvl and buf.num_rdma_bytes == 0
+        assert buf.low_latency_mode is False and buf.explicitly_destroy is False and buf.enable_shrink is False
+        assert getattr(buf, "runtime", None) is not None
+        assert buf.num_sms == 20
+        tiny_dispatch(ctx, buf)
+    with c.check("constructor_errors_local"):
+        tiny_dispatch(ctx, buf)   # after the one-rank errors above the group still works
+
+    with c.check("keyword_construction_and_attributes"):
+        kw = Buffer(group=group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, low_latency_mode=True, num_qps_per_rank=E // 2,
+                    allow_nvlink_for_low_latency_mode=True, allow_mnnvl=True, use_fabric=False,
+                    explicitly_destroy=True, enable_shrink=True, comm=None)
+        assert (kw.rank, kw.group_size, kw.group) == (ctx.rank, 2, group)
+        assert (kw.num_nvl_bytes, kw.num_rdma_bytes) == (nvl, rdma)
+        assert kw.low_latency_mode is True and kw.explicitly_destroy is True and kw.enable_shrink is True
+        tiny_low_latency(ctx, kw)
+        tiny_dispatch(ctx, kw)    # normal kernels stay usable in LL mode
+        kw.destroy()
+
+    # -- weakref, isinstance (VL WeakValueDictionary, LM isinstance) ------------------------------------
+    with c.check("weakref_and_isinstance"):
+        assert isinstance(buf, Buffer) and isinstance(buf, deep_ep.Buffer)
+        ref = weakref.ref(buf)
+        assert ref() is buf
+        cache = weakref.WeakValueDictionary()
+        temp = Buffer(group, nvl, 0)
+        cache[("k",)] = temp
+        temp_ref = weakref.ref(temp)
+        del temp
+        gc.collect()
+        assert temp_ref() is None and ("k",) not in cache, "a dropped Buffer must be collectable"
+
+    # -- static helpers through an instance --------------------------------------------------------------
+    with c.check("helpers_on_instance"):
+        assert buf.is_sm90_compiled() is True
+        ev = buf.capture()                     # VL passes the bound `self.buffer.capture`
+        assert isinstance(ev, EventOverlap) and ev.event is not None
+        assert isinstance(buf.get_dispatch_config(2), Config) and isinstance(buf.get_combine_config(2), Config)
+        assert buf.get_low_latency_rdma_size_hint(N, H, 2, E) == ll_formula(N, H, E)
+
+    # -- set_num_sms on an instance changes later default configs (handle matrices have num_sms/2 columns) --
+    with c.check("set_num_sms_on_instance"):
+        try:
+            refused = False
+            try:
+                buf.set_num_sms(23)
+            except AssertionError:
+                refused = True
+            assert refused, "set_num_sms(23) must raise AssertionError (odd)"
+            assert Buffer.num_sms == 20
+            buf.set_num_sms(22)
+            assert Buffer.num_sms == 22 and buf.num_sms == 22
+            handle, _ = tiny_dispatch(ctx, buf)
+            assert tuple(handle[1].shape) == (2, 11) and tuple(handle[2].shape) == (2, 11), \
+                f"channel matrices must have num_sms/2 = 11 columns, got {tuple(handle[1].shape)}"
+        finally:
+            Buffer.set_num_sms(20)
+        handle, _ = tiny_dispatch(ctx, buf)
+        assert tuple(handle[1].shape) == (2, 10)
+
+    # -- events of real calls on CPU ---------------------------------------------------------------------
+    with c.check("events_of_calls"):
+        _, event = tiny_dispatch(ctx, buf)
+        assert isinstance(event, EventOverlap) and event.event is None
+        try:
+            event.current_stream_wait()
+            raise RuntimeError("current_stream_wait on a synchronous call's EventOverlap must raise AssertionError")
+        except AssertionError:
+            pass
+        _, event = tiny_dispatch(ctx, buf, async_finish=True)
+        assert isinstance(event, EventOverlap) and event.event is not None
+        with event:
+            pass
+        # the clients' overlapped form: previous_event=capture(), async, allocate on the comm stream
+        _, event = tiny_dispatch(ctx, buf, async_finish=True, previous_event=Buffer.capture(),
+                                 allocate_on_comm_stream=True)
+        event.current_stream_wait()
+        x, topk_idx, _ = routing(ctx)
+        layout = buf.get_dispatch_layout(topk_idx, E, previous_event=buf.capture(), async_finish=True,
+                                         allocate_on_comm_stream=True)
+        assert len(layout) == 5 and isinstance(layout[4], EventOverlap) and layout[4].event is not None
+        layout[4].current_stream_wait()
+        assert layout[0].tolist() == [T, T]
+
+    with c.check("get_comm_stream"):
+        stream = buf.get_comm_stream()
+        if ctx.device.type == "cpu":
+            assert stream is None, f"no streams on CPU, got {stream!r}"
+        else:
+            assert isinstance(stream, torch.cuda.Stream)
+
+    # -- get_local_buffer_tensor -------------------------------------------------------------------------
+    with c.check("get_local_buffer_tensor"):
+        raw = buf.get_local_buffer_tensor(torch.uint8)
+        assert raw.dtype == torch.uint8 and raw.numel() == nvl and raw.device.type == ctx.device.type
+        assert buf.get_local_buffer_tensor(torch.int32).numel() == nvl // 4
+        assert buf.get_local_buffer_tensor(torch.bfloat16).dtype == torch.bfloat16
+        view = buf.get_local_buffer_tensor(torch.float32, torch.Size([4, 8]))
+        assert tuple(view.shape) == (4, 8) and view.dtype == torch.float32
+        view.fill_(1.5)
+        again = buf.get_local_buffer_tensor(torch.float32, torch.Size([32]))
+        assert torch.equal(again, torch.full((32,), 1.5, device=again.device)), "views must share the buffer"
+        # offset is in bytes (spec 2.3)
+        shifted = buf.get_local_buffer_tensor(torch.int32, torch.Size([2]), offset=8)
+        shifted.copy_(torch.tensor([7, 9], dtype=torch.int32))
+        ints = buf.get_local_buffer_tensor(torch.int32, torch.Size([4]), 0, False)
+        assert ints[2:].tolist() == [7, 9], f"offset=8 must start 8 bytes in, got {ints.tolist()}"
+        assert buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).numel() == 0
+    c.expect("get_local_buffer_tensor_too_big", ValueError,
+             lambda: buf.get_local_buffer_tensor(torch.int32, torch.Size([nvl])), "size")
+
+    # -- several Buffers in one process, interleaved (LM keeps three) -----------------------------------
+    with c.check("several_buffers"):
+        normal2 = Buffer(group, nvl, 0)
+        ll = Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // 2)
+        common = Buffer(group, nvl, rdma, low_latency_mode=True, num_qps_per_rank=E // 2)
+        h_main, _ = tiny_dispatch(ctx, buf, combine=False)
+        tiny_low_latency(ctx, ll)
+        tiny_dispatch(ctx, normal2)
+        tiny_low_latency(ctx, common)
+        tiny_dispatch(ctx, common)
+        x, _, _ = routing(ctx)
+        recv = torch.cat([(100 * s + torch.arange(T, dtype=torch.float32)).view(T, 1).expand(T, H)
+                          for s in range(2)]).to(torch.bfloat16).to(ctx.device)
+        combined, _, _ = buf.combine(recv, h_main)           # a handle survives other Buffers' calls
+        assert torch.equal(combined.cpu().float(), 2 * x.cpu().float())
+        tiny_low_latency(ctx, ll)
+        ll_buf = ll.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)
+        assert ll_buf.numel() == rdma
+        assert ll.get_local_buffer_tensor(torch.bfloat16, use_rdma_buffer=True).numel() == rdma // 2
+        # Megatron/AM replace a buffer without destroy(): drop and rebuild
+        del normal2, ll, common
+        gc.collect()
+        rebuilt = Buffer(group, nvl, 0)
+        tiny_dispatch(ctx, rebuilt)
+        del rebuilt
+        gc.collect()
+
+    # -- destroy -----------------------------------------------------------------------------------------
+    if ctx.rank == 0:  # AssertionError without the flag, raised on one rank only: no collective started
+        c.expect("destroy_requires_flag", AssertionError, buf.destroy, "explicitly_destroy")
+    with c.check("destroy_requires_flag"):
+        tiny_dispatch(ctx, buf)       # still usable, group in step
+
+    with c.check("destroy_then_api_raises_runtime_error"):
+        victim = Buffer(group, nvl, rdma, low_latency_mode=True, num_qps_per_rank=E // 2, explicitly_destroy=True,
+                        enable_shrink=True)
+        handle, _ = tiny_dispatch(ctx, victim, combine=False)
+        x, topk_idx, topk_weights = routing(ctx)
+        _, _, ll_handle, _, _ = victim.low_latency_dispatch(x, topk_idx, N, E, use_fp8=False)
+        victim.destroy()
+        assert victim.runtime is None, "spec 1.6: runtime is None after destroy()"
+        assert victim.rank == ctx.rank and victim.group_size == 2   # plain attributes stay readable
+    calls = {
+        "get_dispatch_layout": lambda: victim.get_dispatch_layout(topk_idx, E),
+        "dispatch": lambda: victim.dispatch(x, handle=handle),
+        "combine": lambda: victim.combine(torch.zeros(2 * T, H, dtype=torch.bfloat16, device=ctx.device), handle),
+        "internode_dispatch": lambda: victim.internode_dispatch(x, handle=handle, config=Buffer.get_dispatch_config(2)),
+        "internode_combine": lambda: victim.internode_combine(torch.zeros(2 * T, H, dtype=torch.bfloat16,
+                                                                          device=ctx.device), handle,
+                                                              config=Buffer.get_combine_config(2)),
+        "clean_low_latency_buffer": lambda: victim.clean_low_latency_buffer(N, H, E),
+        "low_latency_dispatch": lambda: victim.low_latency_dispatch(x, topk_idx, N, E),
+        "low_latency_combine": lambda: victim.low_latency_combine(
+            torch.zeros(E // 2, 2 * N, H, dtype=torch.bfloat16, device=ctx.device), topk_idx, topk_weights, ll_handle),
+        "get_next_low_latency_combine_buffer": lambda: victim.get_next_low_latency_combine_buffer(ll_handle),
+        "get_local_buffer_tensor": lambda: victim.get_local_buffer_tensor(torch.uint8),
+        "get_comm_stream": lambda: victim.get_comm_stream(),
+        "low_latency_update_mask_buffer": lambda: victim.low_latency_update_mask_buffer(other, True),
+        "low_latency_query_mask_buffer": lambda: victim.low_latency_query_mask_buffer(
+            torch.zeros(2, dtype=torch.int32, device=ctx.device)),
+        "low_latency_clean_mask_buffer": lambda: victim.low_latency_clean_mask_buffer(),
+        "destroy (twice)": lambda: victim.destroy(),
+    }
+    for what, call in calls.items():
+        c.expect("destroy_then_api_raises_runtime_error", RuntimeError, call, label=what)
+    with c.check("destroy_then_api_raises_runtime_error"):
+        tiny_dispatch(ctx, buf)       # none of the refused calls started a collective
+
+    with c.check("new_buffer_after_destroy"):
+        again = Buffer(group, nvl, rdma, low_latency_mode=True, num_qps_per_rank=E // 2, explicitly_destroy=True)
+        tiny_dispatch(ctx, again)
+        tiny_low_latency(ctx, again)
+        again.destroy()
+        again = Buffer(group, nvl, 0, explicitly_destroy=True)
+        tiny_dispatch(ctx, again)
+        again.destroy()
+
+    # -- shrink-mode mask API (local) -------------------------------------------------------------------
+    with c.check("mask_api"):
+        shrink = Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // 2, enable_shrink=True)
+        status = torch.full((2,), 7, dtype=torch.int32, device=ctx.device)
+        shrink.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [0, 0]
+        shrink.low_latency_update_mask_buffer(other, True)
+        shrink.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [1 if r == other else 0 for r in range(2)]
+        shrink.low_latency_update_mask_buffer(other)            # mask=False by default
+        shrink.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [0, 0]
+        shrink.low_latency_update_mask_buffer(rank_to_mask=other, mask=True)
+        shrink.low_latency_clean_mask_buffer()
+        shrink.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [0, 0]
+        tiny_low_latency(ctx, shrink)
+
+    return c.results
+
+
+@pytest.fixture(scope="module")
+def api_results():
+    from dist_utils import get_pool
+    per_rank = get_pool(2).run(run_api_checks, timeout=180)
+    merged: Dict[str, List[str]] = {}
+    for results in per_rank:
+        for name, failures in results.items():
+            merged.setdefault(name, []).extend(failures)
+    return merged
+
+
+API_CHECKS = ["constructor_errors_local", "positional_construction_and_attributes",
+              "keyword_construction_and_attributes", "weakref_and_isinstance", "helpers_on_instance",
+              "set_num_sms_on_instance", "events_of_calls", "get_comm_stream", "get_local_buffer_tensor",
+              "get_local_buffer_tensor_too_big", "several_buffers", "destroy_requires_flag",
+              "destroy_then_api_raises_runtime_error", "new_buffer_after_destroy", "mask_api"]
+
+
+@pytest.mark.parametrize("check", API_CHECKS)
+def test_buffer_on_two_ranks(api_results, check):
+    assert check in api_results, f"check {check} did not run"
+    failures = api_results[check]
+    assert not failures, f"{check}: {len(failures)} failure(s):\n" + "\n".join(failures)
