@@ -4,9 +4,11 @@ Every rank generates the inputs of ALL ranks from one random base seed (drawn fr
 every failure; set DEEP_EP_TEST_SEED to replay one), feeds its own to the library and compares its results
 bitwise with the single-process model of tests/model.py, which sees every rank's inputs.
 
-Many cases run inside one `pool.run` per world size (spawning rank processes is the expensive part).
-A rank records mismatches instead of raising, so that every rank keeps taking part in the collectives;
-the test then reports every mismatch of every rank.
+Many cases run inside one `pool.run` per world size (spawning rank processes is the expensive part):
+fixed cases, three cases with every parameter drawn from the seed, then edge cases where ranks receive
+nothing. A rank records mismatches instead of raising, so that every rank keeps taking part in the
+collectives, and the test reports every mismatch of every rank; an exception from the library stops that
+rank's remaining cases (and fails the pool run, which restarts its processes).
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def make_routing(gen: torch.Generator, num_tokens: int, num_topk: int, num_exper
                  mask_frac: float = 0.0, hot_expert: int = 0):
     """`(topk_idx int64 [T, K], topk_weights float32 [T, K])`.
 
-    styles: "uniform" (K distinct experts per token), "skewed" (90% of the tokens pick `hot_expert` first,
+    styles: "uniform" (K distinct experts per token), "first_half" (uniform over the experts of the first
+    half of the ranks), "skewed" (90% of the tokens pick `hot_expert` first,
     the rest of the scores favour the experts of the hot expert's rank), "dup" (half of the tokens list
     their first expert twice). `mask_frac` of the entries become -1, and token 0 is then sent nowhere.
     """
@@ -52,6 +55,8 @@ def make_routing(gen: torch.Generator, num_tokens: int, num_topk: int, num_exper
         per_rank = max(1, num_experts // 8)
         start = hot_expert // per_rank * per_rank
         scores[:, start:start + per_rank] += 0.5
+    if style == "first_half":  # only the experts of the first half of the ranks (e.g. node 0)
+        scores[:, num_experts // 2:] = -1.0
     idx = scores.topk(num_topk, dim=1).indices.to(torch.int64)
     if style == "dup" and num_topk > 1:
         dup = torch.rand(num_tokens, generator=gen) < 0.5
@@ -79,6 +84,13 @@ def make_x(gen: torch.Generator, num_tokens: int, hidden: int, kind: str):
     if kind.endswith("_col"):
         scales = scales.T.contiguous().T
     return data, scales
+
+
+def wide_random(gen: torch.Generator, *shape: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """Random values spread over 2^-16..2^16, so that fp32 sums of a few of them are inexact and the
+    summation order (and any extra rounding) shows in the result bits."""
+    scale = torch.pow(2.0, torch.randint(-16, 17, shape, generator=gen).float())
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
 def to_device(x, device):
@@ -179,15 +191,20 @@ class Checker:
         if async_finish:
             if self.true(f"{what} event", event.event is not None, "async_finish=True must return an event"):
                 event.current_stream_wait()
-        else:
-            self.true(f"{what} event", event.event is None, f"a synchronous call must return EventOverlap(None), "
-                      f"got event={event.event!r}")
+        elif self.true(f"{what} event", event.event is None, f"a synchronous call must return EventOverlap(None), "
+                       f"got event={event.event!r}"):
+            try:
+                event.current_stream_wait()
+                self.fail(f"{what} event", "current_stream_wait() on EventOverlap(None) must raise AssertionError")
+            except AssertionError:
+                pass
 
 
 # ---------------------------------------------------------------------------------------------------
 # the per-rank driver
 # ---------------------------------------------------------------------------------------------------
 HIDDEN_MAX = 512
+BUFFER_TIMEOUT_S = 15.0  # bounds the wait of ranks left in a collective by a rank that failed alone
 NUM_SMS_MAX = 24
 
 
@@ -248,31 +265,24 @@ def check_handle(chk: Checker, what: str, handle: Any, expected: model.DispatchR
 
 
 def run_cases(ctx, seed: int, cases: List[Dict[str, Any]], ranks_per_node: Optional[int] = None) -> List[str]:
-    import deep_ep
     from deep_ep import Buffer
-    timeout_error = getattr(deep_ep, "CommTimeoutError", RuntimeError)
-    kwargs = dict(explicitly_destroy=True)
+    kwargs = dict(explicitly_destroy=True, timeout_s=BUFFER_TIMEOUT_S)
     if ranks_per_node is not None:
         kwargs["num_ranks_per_node"] = ranks_per_node
     buffer = Buffer(ctx.group, nvl_bytes(), 0, **kwargs)
     errors: List[str] = []
-    try:
-        for case in cases:
-            chk = Checker(seed, case["name"], ctx.rank)
-            try:
-                run_case(ctx, buffer, seed, case, ranks_per_node, chk)
-            except timeout_error:
-                chk.fail("timeout", traceback.format_exc())
-                errors.extend(chk.errors)
-                break
-            except Exception:  # noqa: BLE001 - reported; the ranks stay in step when all raise alike
-                chk.fail("exception", traceback.format_exc())
-            errors.extend(chk.errors)
-    finally:
+    for case in cases:
+        chk = Checker(seed, case["name"], ctx.rank)
         try:
-            buffer.destroy()
+            run_case(ctx, buffer, seed, case, ranks_per_node, chk)
         except Exception:  # noqa: BLE001
-            errors.append(f"[seed={seed} rank={ctx.rank}] destroy() failed:\n{traceback.format_exc()}")
+            # Stop here and fail this rank (the pool then restarts its processes): a rank that raised alone
+            # leaves the others inside a collective (they time out and stop too), and later cases would
+            # only report the resulting confusion.
+            chk.fail("exception (remaining cases skipped)", traceback.format_exc())
+            raise AssertionError("\n".join(errors + chk.errors)) from None
+        errors.extend(chk.errors)
+    buffer.destroy()
     return errors
 
 
@@ -388,11 +398,11 @@ def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optio
         ys, yws = [], []
         for g in range(num_ranks):
             gen = generator(seed, case["name"], "combine", j, g)
-            ys.append(torch.randn(len(rows_of[g]), hidden, generator=gen).to(torch.bfloat16))
-            yws.append(torch.randn(len(rows_of[g]), num_topk, generator=gen, dtype=torch.float32))
+            ys.append(wide_random(gen, len(rows_of[g]), hidden))
+            yws.append(wide_random(gen, len(rows_of[g]), num_topk, dtype=torch.float32))
         use_w = with_topk and case.get("combine_weights", True)
         gen = generator(seed, case["name"], "bias", j, rank)
-        b = [torch.randn(me.num_tokens, hidden, generator=gen).to(torch.bfloat16) for _ in range(2)]
+        b = [wide_random(gen, me.num_tokens, hidden) for _ in range(2)]
         bias = {"none": None, "one": b[0], "two": (b[0], b[1])}[bias_mode]
         exp_x, exp_w = model.combine(rank, me.layout.is_token_in_rank, rows_of, ys, yws if use_w else None, bias,
                                      ranks_per_node)
@@ -470,6 +480,8 @@ CASES_3 = [
 ]
 
 CASES_4 = [
+    dict(name="4r-200-tokens", tokens=[200, 150, 199, 60], hidden=64, topk=6, experts_per_rank=6, mask_frac=0.1,
+         num_sms=12, biases=["two"], cached=["bf16"]),
     dict(name="4r-bf16-worst-cached-biases", tokens=[40, 0, 100, 13], hidden=256, topk=8, experts_per_rank=4,
          mask_frac=0.2, num_sms=8, worst=True, cached=["fp8_i32_col", "bf16"], biases=ALL_BIASES, repeat=True),
     dict(name="4r-skewed-top1-align128", tokens=[64, 64, 64, 1], hidden=80, topk=1, experts_per_rank=8,
@@ -479,6 +491,21 @@ CASES_4 = [
     dict(name="4r-no-topk-default-config", tokens=[9, 17, 3, 28], hidden=128, topk=2, experts_per_rank=2,
          with_topk=False, num_sms=None, events="prev_async_alloc", biases=["none"]),
 ]
+
+# Edge cases where ranks receive nothing; they run last so that a failure (which stops a rank's remaining
+# cases) hides nothing else.
+EDGE_CASES = {
+    2: [dict(name="2r-no-tokens-anywhere", tokens=[0, 0], hidden=64, topk=2, experts_per_rank=2, num_sms=2,
+             worst=True, cached=["bf16"], biases=["two"])],
+    3: [
+        dict(name="3r-everything-masked", tokens=[12, 0, 9], hidden=64, topk=3, experts_per_rank=2, mask_frac=1.0,
+             num_sms=4, worst=True, cached=["bf16"], biases=["none", "two"]),
+    ],
+    4: [
+        dict(name="4r-no-tokens-anywhere", tokens=[0, 0, 0, 0], hidden=128, topk=2, experts_per_rank=2, num_sms=4,
+             worst=True, cached=["fp8_col"], biases=["one"]),
+    ],
+}
 
 CASES_2X2 = [
     dict(name="2x2-bf16-worst-cached-biases", tokens=[40, 0, 65, 23], hidden=256, topk=8, experts_per_rank=4,
@@ -492,7 +519,41 @@ CASES_2X2 = [
 ]
 
 
-def _report(seed: int, results: List[List[str]]) -> None:
+def random_cases(seed: int, world_size: int, count: int, internode: bool = False) -> List[Dict[str, Any]]:
+    """`count` cases with every parameter drawn from the seed (fresh each run)."""
+    import random
+    rng = random.Random(seed ^ (world_size * 7919 + internode))
+    cases = []
+    for i in range(count):
+        experts_per_rank = rng.choice([1, 2, 3, 8, 32])
+        num_experts = experts_per_rank * world_size
+        x = rng.choice(["bf16", "fp8", "fp8_col", "fp8_i32", "fp8_i32_col"])
+        cached = rng.sample(["bf16", "fp8", "fp8_col", "fp8_i32_col"], rng.randint(0, 2))
+        any_fp8 = x != "bf16" or any(kind != "bf16" for kind in cached)
+        if internode:
+            hidden = rng.choice([256, 512])
+        else:  # rows are multiples of 16 bytes: FP8 needs hidden % 16 == 0, BF16 hidden % 8 == 0
+            hidden = rng.randrange(64, 513, 16 if any_fp8 else 8)
+        with_topk = rng.random() < 0.8
+        tokens = [rng.choice([0, rng.randrange(1, 40), rng.randrange(1, 201)]) for _ in range(world_size)]
+        case = dict(tokens=tokens, hidden=hidden, topk=rng.randint(1, min(32, num_experts)),
+                    experts_per_rank=experts_per_rank, x=x, routing=rng.choice(["uniform", "skewed", "dup"]),
+                    mask_frac=rng.choice([0.0, 0.1, 0.5, 1.0]), alignment=rng.choice([1, 2, 128]),
+                    num_sms=rng.choice([None, 2, 4, 6, 8, 12, 20, 24]) if not internode else rng.choice([2, 4, 8, 24]),
+                    events=rng.choice(["sync", "async", "prev", "prev_async_alloc"]), with_topk=with_topk,
+                    worst=with_topk and rng.random() < 0.5,
+                    cached=cached,
+                    biases=rng.sample(ALL_BIASES, rng.randint(1, 3)), repeat=rng.random() < 0.3)
+        case["name"] = f"random{i}:" + ",".join(f"{k}={v}" for k, v in case.items())
+        cases.append(case)
+    return cases
+
+
+def _report(seed: int, run) -> None:
+    try:
+        results = run()
+    except AssertionError as error:  # a rank raised: the message holds every rank's report
+        raise AssertionError(f"seed={seed} (replay with DEEP_EP_TEST_SEED={seed}):\n{error}") from None
     errors = [e for per_rank in results for e in per_rank]
     assert not errors, f"seed={seed}: {len(errors)} mismatches (replay with DEEP_EP_TEST_SEED={seed}):\n" + \
         "\n".join(errors[:40])
@@ -501,12 +562,16 @@ def _report(seed: int, results: List[List[str]]) -> None:
 @pytest.mark.parametrize("world_size,cases", [(2, CASES_2), (3, CASES_3), (4, CASES_4)], ids=["2ranks", "3ranks", "4ranks"])
 def test_intranode(pool, world_size, cases):
     seed = base_seed()
-    _report(seed, pool(world_size).run(run_cases, seed, cases))
+    cases = cases + random_cases(seed, world_size, 3) + EDGE_CASES[world_size]
+    _report(seed, lambda: pool(world_size).run(run_cases, seed, cases))
 
 
 def test_internode_2_nodes_x_2_ranks(pool):
     seed = base_seed()
-    _report(seed, pool(4).run(run_cases, seed, CASES_2X2, 2))
+    cases = CASES_2X2 + random_cases(seed, 4, 3, internode=True) + [
+        dict(name="2x2-nothing-to-node-1", tokens=[30, 0, 17, 0], hidden=256, topk=2, experts_per_rank=2, num_sms=4,
+             mask_frac=0.1, worst=True, cached=["fp8"], biases=["one"], routing="first_half")]
+    _report(seed, lambda: pool(4).run(run_cases, seed, cases, 2))
 
 
 # ---------------------------------------------------------------------------------------------------
