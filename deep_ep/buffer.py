@@ -14,7 +14,7 @@ from .fp8 import num_scale_groups
 from .group import Group, Topology
 from .low_latency import LowLatencySlots, ReceiveHook
 from .streams import CommStream
-from .transport import select_transport
+from .transport import select_transport, transport_name
 from .transport.base import LowLatencyOptions
 from .utils import EventHandle, EventOverlap, check_nvlink_connections
 
@@ -67,6 +67,7 @@ class Buffer:
             timeout_s = float(os.environ.get("DEEP_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        requested_transport = transport_name(transport)
         self._group = Group(group, comm, timeout_s)
         self.group = group if group is not None else comm
         self.rank, self.group_size = self._group.rank, self._group.size
@@ -93,7 +94,7 @@ class Buffer:
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device) if enable_shrink else None
         self._comm_stream = CommStream(self.device)
         self._slots = LowLatencySlots()
-        self._transport = select_transport(transport, self._group, self.topology, self.device)
+        self._transport = select_transport(requested_transport, self._group, self.topology, self.device)
         self.transport_name = self._transport.name
         self.runtime: Optional[object] = self._transport
         self._group.barrier("Buffer construction")
@@ -228,6 +229,7 @@ class Buffer:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("dispatch: pass either handle (cached dispatch) or topk_idx/topk_weights, not both")
             self._check_handle("handle", handle, num_tokens, num_channels)
+            self._check_nvl_capacity("dispatch", config, self._dispatch_row_bytes(data, scales, None))
             run = lambda: self._transport.cached_dispatch(data, scales, handle, num_channels)  # noqa: E731
             inputs: tuple = (data, scales, handle)
         else:
@@ -241,7 +243,8 @@ class Buffer:
                              shape=tuple(topk_idx.shape))
             check_int("expert_alignment", expert_alignment, minimum=1)
             check_int("num_worst_tokens", num_worst_tokens, minimum=0)
-            self._check_nvl_capacity(num_experts)
+            self._check_nvl_capacity("dispatch", config, self._dispatch_row_bytes(data, scales, topk_idx),
+                                     num_experts)
             run = lambda: self._transport.dispatch(  # noqa: E731
                 data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                 expert_alignment, num_worst_tokens, num_channels)
@@ -305,6 +308,8 @@ class Buffer:
         for i, b in enumerate(biases):
             if b is not None:
                 check_tensor(f"bias[{i}]", b, device=self.device, dtype=torch.bfloat16, shape=(num_tokens, x.shape[1]))
+        topk = 0 if topk_weights is None else topk_weights.shape[1]
+        self._check_nvl_capacity("combine", config, x.shape[1] * 2 + 4 + topk * 4)
         run = lambda: self._transport.combine(x, handle, topk_weights, biases, num_channels)  # noqa: E731
         (combined, combined_weights), event = self._comm_stream.run(run, (x, topk_weights, biases, handle),
                                                                      previous_event, async_finish)
@@ -322,6 +327,7 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset the low-latency area for `(N, hidden, num_experts)` (collective)."""
         self._live("clean_low_latency_buffer")
+        self._require_low_latency("clean_low_latency_buffer")
         self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         if self._slots.any_pending():
             raise RuntimeError("clean_low_latency_buffer: a low-latency receive hook has not been called yet")
@@ -616,6 +622,13 @@ class Buffer:
                              f"of {data.dtype}")
         return data, scales
 
+    @staticmethod
+    def _dispatch_row_bytes(data: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor]) -> int:
+        """Bytes one token occupies in a dispatch ring slot: payload, source index, top-k ids and weights, scales."""
+        topk = 0 if topk_idx is None else topk_idx.shape[1]
+        num_scales = 0 if scales is None else scales.shape[1]
+        return data.shape[1] * data.element_size() + 4 + topk * (topk_idx_t.itemsize + 4) + num_scales * 4
+
     def _check_layout_args(self, num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                            num_tokens_per_expert) -> int:
         for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
@@ -639,12 +652,16 @@ class Buffer:
                              "(pass the outputs of one get_dispatch_layout call)")
         return num_experts
 
-    def _check_nvl_capacity(self, num_experts: int) -> None:
-        needed = self.group_size * (self.group_size + num_experts // self.group_size) * 4
+    def _check_nvl_capacity(self, what: str, config: Config, row_bytes: int, num_experts: int = 0) -> None:
+        """DeepEP's rule: the count exchange and one ring of `num_max_nvl_chunked_recv_tokens` rows per
+        (channel, peer of the node) must fit in `num_nvl_bytes`."""
+        peers, channels = self.topology.ranks_per_node, config.num_channels
+        ring = channels * peers * config.num_max_nvl_chunked_recv_tokens * row_bytes
+        needed = max(self.group_size * (self.group_size + num_experts // self.group_size) * 4,
+                     peers * peers * 4 + 4 * channels * peers * 4 + ring)
         if self.num_nvl_bytes < needed:
-            raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for dispatch with {num_experts} experts "
-                             f"on {self.group_size} ranks: need >= {needed} (Config.get_nvl_buffer_size_hint gives "
-                             "a good size)")
+            raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for this {what}: need >= {needed} "
+                             "(Config.get_nvl_buffer_size_hint gives a size that fits)")
 
     def _check_handle(self, name: str, handle, num_tokens: Optional[int], num_channels: int) -> Tuple[int, int]:
         """Check a normal-mode handle; returns (tokens of the source batch, received rows)."""
@@ -652,6 +669,8 @@ class Buffer:
         expected_len = 10 if topo.is_internode else 6
         if not isinstance(handle, tuple) or len(handle) != expected_len:
             raise ValueError(f"{name} must be the {expected_len}-tuple returned by a non-cached dispatch of this Buffer")
+        if not all(isinstance(t, torch.Tensor) for t in handle):
+            raise ValueError(f"{name} must be the {expected_len}-tuple of tensors returned by a non-cached dispatch")
         is_token_in_rank = handle[0] if topo.is_internode else handle[4]
         check_tensor(f"{name} (is_token_in_rank)", is_token_in_rank, device=self.device, dtype=torch.bool,
                      shape=(num_tokens, num_ranks))

@@ -21,7 +21,7 @@ from ..fp8 import logfmt_roundtrip, num_scale_groups, pack_ue8m0, per_token_cast
 from ..group import Group, Topology
 from .base import DispatchOutput, LowLatencyDispatchOutput, LowLatencyOptions, Transport
 
-_OPS = {"dispatch": 1, "cached_dispatch": 2, "combine": 3, "ll_dispatch": 4, "ll_combine": 5}
+_OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
 _DTYPE_CODES = {dt: i + 1 for i, dt in enumerate([
     torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -63,7 +63,7 @@ class _Packer:
     def unpack(self, packed: torch.Tensor) -> Dict[str, torch.Tensor]:
         out, offset = {}, 0
         for name, dtype, shape, nbytes in self.fields:
-            chunk = packed[:, offset:offset + nbytes].contiguous()
+            chunk = packed[:, offset:offset + nbytes].clone(memory_format=torch.contiguous_format)
             out[name] = chunk.view(dtype).reshape(packed.shape[0], *shape)
             offset += nbytes
         return out
@@ -321,7 +321,7 @@ class ReferenceTransport(Transport):
     def cached_dispatch(self, x, x_scales, handle, num_channels):
         topo = self.topology
         is_token_in_rank = handle[0] if topo.is_internode else handle[4]
-        self._agree("cached_dispatch", self._dispatch_header(x, x_scales, None, num_channels))
+        self._agree("dispatch (cached)", self._dispatch_header(x, x_scales, None, num_channels))
         recv_per_source = self._recv_per_source(handle)
         num_recv = int(sum(recv_per_source))
         num_rows = (handle[7] if topo.is_internode else handle[3]).shape[0]
@@ -393,7 +393,7 @@ class ReferenceTransport(Transport):
         topo = self.topology
         num_ranks, hidden = topo.num_ranks, x.shape[1]
         experts_per_rank = num_experts // num_ranks
-        self._agree("ll_dispatch", dict(hidden=hidden, num_max_tokens=num_max_tokens, num_experts=num_experts,
+        self._agree("low_latency_dispatch", dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
                                         use_fp8=int(options.use_fp8), round_scale=int(options.round_scale),
                                         use_ue8m0=int(options.use_ue8m0), topk=topk_idx.shape[1]))
         num_tokens, topk = topk_idx.shape
@@ -470,7 +470,7 @@ class ReferenceTransport(Transport):
         num_ranks = topo.num_ranks
         experts_per_rank, hidden = x.shape[0], x.shape[2]
         num_experts = experts_per_rank * num_ranks
-        self._agree("ll_combine", dict(hidden=hidden, num_max_tokens=num_max_tokens, num_experts=num_experts,
+        self._agree("low_latency_combine", dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
                                        use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]))
         counts = (layout_range & 0xFFFFFFFF).cpu()                                        # [E_loc, R]
         begins = (layout_range >> 32).cpu()
