@@ -392,6 +392,11 @@ def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optio
                  all(v is None for v in out[1:5]), f"got {[type(v).__name__ for v in out[1:5]]}")
         chk.event(f"cached dispatch #{i}", out[5], is_async)
         chk.x_equal(f"cached dispatch #{i} ({kind}) recv_x", out[0], model.cached_dispatch(new_xs, expected.rows))
+        if worst_handle is not None and isinstance(worst_handle, tuple):
+            # the row count comes from the handle (spec 6.3): num_worst_tokens rows, the real ones first
+            out = buffer.dispatch(dev(new_xs[rank]), handle=worst_handle, config=dispatch_config)
+            chk.x_equal(f"worst-handle cached dispatch #{i} ({kind}) recv_x", out[0],
+                        model.cached_dispatch(new_xs, expected.rows), rows=worst)
 
     # ---- combine: random per-rank inputs, with/without top-k weights, bias None / one / two
     for j, bias_mode in enumerate(case.get("biases", ["none"])):
