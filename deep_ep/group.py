@@ -110,6 +110,8 @@ class Group:
 
     # ---- waiting --------------------------------------------------------------------------------------
     def wait(self, work: dist.Work, what: str, result: torch.Tensor) -> None:
+        """Complete `work` within the timeout, polling without blocking (a blocking wait on a collective
+        that a peer never joins would not return)."""
         deadline = time.monotonic() + self.timeout_s
         if not result.is_cuda:
             try:
@@ -117,13 +119,11 @@ class Group:
             except RuntimeError as error:
                 self._fail(what, str(error))
             return
-        work.wait()  # orders the current stream after the collective; the host does not block here
-        done = torch.cuda.Event()
-        done.record()
-        while not done.query():
+        while not work.is_completed():
             if time.monotonic() > deadline:
                 self._fail(what, "the collective did not finish on the GPU")
             time.sleep(0)
+        work.wait()  # orders the current stream after the collective
 
     def _fail(self, what: str, detail: str) -> None:
         self._broken = what
