@@ -10,7 +10,6 @@ import torch.distributed as dist
 from .checks import check_expert_ids, check_int, check_tensor
 from .config import (Config, LowLatencyLayout, default_combine_config, default_dispatch_config,
                      low_latency_size_hint, topk_idx_t)
-from .fp8 import num_scale_groups
 from .group import Group, Topology
 from .low_latency import LowLatencySlots, ReceiveHook
 from .streams import CommStream

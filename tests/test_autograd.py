@@ -17,7 +17,8 @@ from typing import Any, Dict, List
 import torch
 
 import model
-from test_normal import BUFFER_TIMEOUT_S, Checker, _report, base_seed, generator, make_sources, nvl_bytes, wide_random
+from randomness import base_seed, generator
+from test_normal import BUFFER_TIMEOUT_S, Checker, _report, make_sources, nvl_bytes, wide_random
 
 
 class FusedDispatch(torch.autograd.Function):

@@ -19,7 +19,6 @@ records mismatches instead of raising, so that every rank keeps taking part in t
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import traceback
 from typing import Any, Dict, List, Optional
@@ -28,22 +27,11 @@ import pytest
 import torch
 
 import model_low_latency as M
+from randomness import base_seed, bits, generator
 
 # ---------------------------------------------------------------------------------------------------
 # seeds and random inputs (identical on every rank)
 # ---------------------------------------------------------------------------------------------------
-
-
-def base_seed() -> int:
-    env = os.environ.get("DEEP_EP_TEST_SEED")
-    return int(env) if env else int.from_bytes(os.urandom(8), "little") >> 1
-
-
-def generator(seed: int, *keys: Any) -> torch.Generator:
-    digest = hashlib.sha256(repr((seed,) + keys).encode()).digest()
-    gen = torch.Generator()
-    gen.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return gen
 
 
 def make_routing(gen: torch.Generator, num_tokens: int, num_topk: int, num_experts: int, style: str,
@@ -153,16 +141,6 @@ def drop_some(seed: int, key: Any, rank: int, idx: torch.Tensor) -> torch.Tensor
 # ---------------------------------------------------------------------------------------------------
 # checking
 # ---------------------------------------------------------------------------------------------------
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    if t.dtype.is_floating_point:
-        return t.view(_INT_OF_SIZE[t.element_size()])
-    return t
-
-
 class Checker:
     def __init__(self, seed: int, rank: int) -> None:
         self.seed, self.rank = seed, rank

@@ -12,8 +12,6 @@ rank's remaining cases (and fails the pool run, which restarts its processes).
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import traceback
 from typing import Any, Dict, List, Optional
 
@@ -21,22 +19,11 @@ import pytest
 import torch
 
 import model
+from randomness import base_seed, bits, generator
 
 # ---------------------------------------------------------------------------------------------------
 # seeds and random inputs (identical on every rank)
 # ---------------------------------------------------------------------------------------------------
-
-
-def base_seed() -> int:
-    env = os.environ.get("DEEP_EP_TEST_SEED")
-    return int(env) if env else int.from_bytes(os.urandom(8), "little") >> 1
-
-
-def generator(seed: int, *keys: Any) -> torch.Generator:
-    digest = hashlib.sha256(repr((seed,) + keys).encode()).digest()
-    gen = torch.Generator()
-    gen.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return gen
 
 
 def make_routing(gen: torch.Generator, num_tokens: int, num_topk: int, num_experts: int, style: str = "uniform",
@@ -117,16 +104,6 @@ def make_sources(seed: int, case: Dict[str, Any], num_ranks: int, ranks_per_node
 # ---------------------------------------------------------------------------------------------------
 # bitwise comparison
 # ---------------------------------------------------------------------------------------------------
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    if t.dtype.is_floating_point:
-        return t.view(_INT_OF_SIZE[t.element_size()])
-    return t
-
-
 class Checker:
     def __init__(self, seed: int, case: str, rank: int) -> None:
         self.prefix = f"[seed={seed} case={case} rank={rank}]"
@@ -287,7 +264,6 @@ def run_cases(ctx, seed: int, cases: List[Dict[str, Any]], ranks_per_node: Optio
 
 
 def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optional[int], chk: Checker) -> None:
-    from deep_ep import Buffer
     num_ranks, rank, device = ctx.world_size, ctx.rank, ctx.device
     internode = model.num_nodes_of(num_ranks, ranks_per_node) > 1
     num_experts = num_ranks * case["experts_per_rank"]

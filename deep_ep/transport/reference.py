@@ -13,13 +13,13 @@ variable all-to-all, so this transport always synchronises the host; that is its
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..fp8 import logfmt_roundtrip, num_scale_groups, pack_ue8m0, per_token_cast_to_fp8
 from ..group import Group, Topology
-from .base import DispatchOutput, LowLatencyDispatchOutput, LowLatencyOptions, Transport
+from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
