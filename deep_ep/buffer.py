@@ -93,7 +93,8 @@ class Buffer:
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device) if enable_shrink else None
         self._comm_stream = CommStream(self.device)
         self._slots = LowLatencySlots()
-        self._transport = select_transport(requested_transport, self._group, self.topology, self.device)
+        self._transport = select_transport(requested_transport, self._group, self.topology, self.device,
+                                           self._nvl_buffer, timeout_s)
         self.transport_name = self._transport.name
         self.runtime: Optional[object] = self._transport
         self._group.barrier("Buffer construction")

@@ -1,6 +1,7 @@
 """Data paths of the Buffer and how one is chosen."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Optional
 
@@ -10,7 +11,7 @@ from ..group import Group, Topology
 from .base import Transport
 from .reference import ReferenceTransport
 
-TRANSPORTS = ("auto", "reference")
+TRANSPORTS = ("auto", "reference", "nvlink")
 ENV_TRANSPORT = "DEEP_EP_TRANSPORT"
 
 
@@ -23,11 +24,27 @@ def transport_name(requested: Optional[str]) -> str:
     return name
 
 
-def select_transport(name: str, group: Group, topology: Topology, device: torch.device) -> Transport:
-    """The transport `name` (from `transport_name`); "auto" picks the fastest that fits.
-
-    Only the reference transport exists so far, so "auto" resolves to it everywhere."""
+def select_transport(name: str, group: Group, topology: Topology, device: torch.device, nvl_buffer: torch.Tensor,
+                     timeout_s: float) -> Transport:
+    """The transport `name` (from `transport_name`). "auto" resolves to the reference transport until the
+    NVLink transport covers the whole contract (it does not yet check that ranks pass matching shapes);
+    `nvlink_fits` says where that transport can run."""
+    if name == "nvlink":
+        if not nvlink_fits(group, topology, device):
+            raise ValueError("transport='nvlink' needs every rank on one node, on CUDA devices with peer access "
+                             "to each other, and Triton installed")
+        from .nvlink import NVLinkTransport
+        return NVLinkTransport(group, topology, device, nvl_buffer, timeout_s)
     return ReferenceTransport(group, topology, device)
+
+
+def nvlink_fits(group: Group, topology: Topology, device: torch.device) -> bool:
+    """Collective: every rank must agree, so the answer is the AND over the group."""
+    usable = device.type == "cuda" and not topology.is_internode and importlib.util.find_spec("triton") is not None
+    devices = group.all_gather_object(device.index if usable else None)
+    if any(d is None for d in devices):
+        return False
+    return all(a == b or torch.cuda.can_device_access_peer(a, b) for a in set(devices) for b in set(devices))
 
 
 __all__ = ["Transport", "ReferenceTransport", "select_transport", "transport_name", "TRANSPORTS"]
