@@ -26,7 +26,18 @@ class PeerBuffers:
         self.peers: List[torch.Tensor] = []
         for rank, (rebuild, args) in enumerate(shared):
             self.peers.append(local if rank == group.rank else rebuild(*args))
+        for peer in self.peers:
+            _enable_peer_access(local.device, peer.device)
         self.bases = torch.tensor([t.data_ptr() for t in self.peers], dtype=torch.int64, device=local.device)
 
     def close(self) -> None:
         self.peers = [self.local]
+
+
+def _enable_peer_access(own: torch.device, other: torch.device) -> None:
+    """Let kernels on `own` reach memory of `other`. PyTorch enables peer access (both ways) the first time
+    it copies between two devices; an opened IPC handle alone enables it only for the owner's device."""
+    if own != other:
+        with torch.cuda.device(own):
+            torch.empty(1, device=other).copy_(torch.empty(1, device=own))
+            torch.empty(1, device=own).copy_(torch.empty(1, device=other))
