@@ -142,6 +142,10 @@ class NVLinkTransport(Transport):
         x_offset, slot_words = self._dispatch_slot(hidden_words, scale_words, topk)
         capacity = self._capacity(slot_words * 4)
         if bound > capacity:
+            # Every rank takes this branch (bound and capacity are the same everywhere). The notify of this
+            # epoch has been read, so close the epoch for the next operation's CONSUMED wait.
+            from .sync import signal_peers_kernel
+            signal_peers_kernel[(num_ranks,)](self.peers.bases, self.consumed_flag_word, self.epoch, topo.rank)
             return self.reference.dispatch(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                                            num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels)
         send_head = _positions(is_token_in_rank)

@@ -21,23 +21,39 @@ class PeerBuffers:
     def __init__(self, local: torch.Tensor, group: Group) -> None:
         if not local.is_cuda:
             raise ValueError("the NVLink transport needs the Buffer's device to be a CUDA device")
-        shared = group.all_gather_object(reduce_tensor(local))
+        shared = group.all_gather_object((local.device.index, reduce_tensor(local)))
+        for device_index, _ in shared:
+            _enable_peer_access(local.device.index, device_index)
         self.local = local
         self.peers: List[torch.Tensor] = []
-        for rank, (rebuild, args) in enumerate(shared):
-            self.peers.append(local if rank == group.rank else rebuild(*args))
-        for peer in self.peers:
-            _enable_peer_access(local.device, peer.device)
+        for rank, (_, (rebuild, args)) in enumerate(shared):
+            self.peers.append(local if rank == group.rank else _open_on(local.device.index, rebuild, args))
         self.bases = torch.tensor([t.data_ptr() for t in self.peers], dtype=torch.int64, device=local.device)
 
     def close(self) -> None:
         self.peers = [self.local]
 
 
-def _enable_peer_access(own: torch.device, other: torch.device) -> None:
-    """Let kernels on `own` reach memory of `other`. PyTorch enables peer access (both ways) the first time
-    it copies between two devices; an opened IPC handle alone enables it only for the owner's device."""
-    if own != other:
-        with torch.cuda.device(own):
-            torch.empty(1, device=other).copy_(torch.empty(1, device=own))
-            torch.empty(1, device=own).copy_(torch.empty(1, device=other))
+def _open_on(device_index: int, rebuild, args) -> torch.Tensor:
+    """Open a peer's IPC handle in this rank's own device context (PyTorch would open it on the owner's
+    device, where this rank's kernels cannot reach it)."""
+    args = list(args)
+    args[_STORAGE_DEVICE_ARG] = device_index
+    return rebuild(*args)
+
+
+# position of `storage_device` in the arguments of torch.multiprocessing.reductions.rebuild_cuda_tensor
+_STORAGE_DEVICE_ARG = 6
+
+
+def _enable_peer_access(own: int, other: int) -> None:
+    """Let kernels on GPU `own` reach memory of GPU `other` (an opened IPC handle alone does not)."""
+    if own == other:
+        return
+    from cuda.bindings import runtime
+    previous = torch.cuda.current_device()
+    runtime.cudaSetDevice(own)
+    (error,) = runtime.cudaDeviceEnablePeerAccess(other, 0)
+    runtime.cudaSetDevice(previous)
+    if error not in (runtime.cudaError_t.cudaSuccess, runtime.cudaError_t.cudaErrorPeerAccessAlreadyEnabled):
+        raise RuntimeError(f"cannot enable peer access from GPU {own} to GPU {other}: {error}")
