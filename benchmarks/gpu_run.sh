@@ -16,5 +16,9 @@ test_status=${PIPESTATUS[0]}
 
 python3 -m deep_ep.bench --json "$@" > "$out/bench.json" 2> "$out/bench.txt"
 bench_status=$?
-cat "$out/bench.txt" | grep -v '^\[' | tail -n 20
-echo "tests exit $test_status, bench exit $bench_status"
+grep -v '^\[' "$out/bench.txt" | tail -n 20
+python3 -m deep_ep.bench --transport nvlink --mode normal --num-sms 24 --json > "$out/bench_nvlink.json" \
+    2> "$out/bench_nvlink.txt"
+nvlink_status=$?
+grep -v '^\[' "$out/bench_nvlink.txt" | tail -n 12
+echo "tests exit $test_status, bench exit $bench_status, nvlink bench exit $nvlink_status"
