@@ -184,7 +184,8 @@ class Buffer:
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         self._check_topk_idx("topk_idx", topk_idx, num_experts)
         result, event = self._comm_stream.run(lambda: self._transport.get_dispatch_layout(topk_idx, num_experts),
-                                              (topk_idx,), previous_event, async_finish)
+                                              (topk_idx,), previous_event, async_finish,
+                                              validate=lambda: check_expert_ids("topk_idx", topk_idx, num_experts))
         return (*result, event)
 
     def dispatch(self, x: Tensors, handle: Optional[tuple] = None,
@@ -232,6 +233,7 @@ class Buffer:
             self._check_nvl_capacity("dispatch", config, self._dispatch_row_bytes(data, scales, None))
             run = lambda: self._transport.cached_dispatch(data, scales, handle, num_channels)  # noqa: E731
             inputs: tuple = (data, scales, handle)
+            validate = None
         else:
             num_experts = self._check_layout_args(num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                                   is_token_in_rank, num_tokens_per_expert)
@@ -250,7 +252,14 @@ class Buffer:
                 expert_alignment, num_worst_tokens, num_channels)
             inputs = (data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                       num_tokens_per_expert)
-        out, event = self._comm_stream.run(run, inputs, previous_event, async_finish)
+
+            def validate() -> None:
+                if topk_idx is not None:
+                    check_expert_ids("topk_idx", topk_idx, num_experts)
+                if not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
+                    raise ValueError("num_tokens_per_rank must equal the column sums of is_token_in_rank "
+                                     "(pass the outputs of one get_dispatch_layout call)")
+        out, event = self._comm_stream.run(run, inputs, previous_event, async_finish, validate)
         recv_x = (out.recv_x, out.recv_scales) if scales is not None else out.recv_x
         if handle is not None:
             return recv_x, None, None, None, None, event
@@ -325,12 +334,11 @@ class Buffer:
 
     # ---- low-latency mode ---------------------------------------------------------------------------------
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Reset the low-latency area for `(N, hidden, num_experts)` (collective)."""
+        """Reset the low-latency area for `(N, hidden, num_experts)` (collective). Receive hooks not yet
+        called are discarded (calling one afterwards raises)."""
         self._live("clean_low_latency_buffer")
         self._require_low_latency("clean_low_latency_buffer")
         self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if self._slots.any_pending():
-            raise RuntimeError("clean_low_latency_buffer: a low-latency receive hook has not been called yet")
         self._group.barrier("clean_low_latency_buffer")
         layout = LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._rdma_buffer[:2 * layout.signal_bytes].zero_()
@@ -368,7 +376,7 @@ class Buffer:
         num_tokens, hidden = self._check_low_latency_x(x, num_max_dispatch_tokens_per_rank)
         self._check_low_latency_flags(async_finish, return_recv_hook)
         experts_per_rank = self._check_num_experts(num_experts)
-        self._check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens)
+        self._check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens, values=True)
         if use_fp8 and hidden % 8:
             raise ValueError(f"x: hidden size must be a multiple of 8 for FP8, got {hidden}")
         if use_ue8m0 and not round_scale:
@@ -500,7 +508,7 @@ class Buffer:
                 if finish is not None:
                     finish(out)
 
-            hook = ReceiveHook(complete, lambda: None, name)
+            hook = ReceiveHook(complete, name)
             self._slots.hold(half, hook)
             return out, EventOverlap(None), hook
 
@@ -579,14 +587,17 @@ class Buffer:
         return experts_per_rank
 
     def _check_topk_idx(self, name: str, topk_idx: torch.Tensor, num_experts: int,
-                        num_tokens: Optional[int] = None) -> None:
+                        num_tokens: Optional[int] = None, values: bool = False) -> None:
+        """Dtype, shape and top-k width; with `values`, also the expert ids (reads the tensor: only where it is
+        complete on the current stream)."""
         self._check_num_experts(num_experts)
         check_tensor(name, topk_idx, device=self.device, dtype=topk_idx_t, dim=2)
         if num_tokens is not None and topk_idx.shape[0] != num_tokens:
             raise ValueError(f"{name} must have {num_tokens} rows (one per token of x), got {topk_idx.shape[0]}")
         if topk_idx.shape[1] > MAX_TOPK or topk_idx.shape[1] < 1:
             raise ValueError(f"{name}: top-k must be in [1, {MAX_TOPK}], got {topk_idx.shape[1]}")
-        check_expert_ids(name, topk_idx, num_experts)
+        if values:
+            check_expert_ids(name, topk_idx, num_experts)
 
     def _check_config(self, config: Config) -> int:
         if not isinstance(config, Config):
@@ -647,9 +658,6 @@ class Buffer:
                 raise ValueError("dispatch: num_tokens_per_rdma_rank is required across nodes (from get_dispatch_layout)")
             check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, device=self.device, dtype=torch.int32,
                          shape=(self.topology.num_nodes,))
-        if not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
-            raise ValueError("num_tokens_per_rank must equal the column sums of is_token_in_rank "
-                             "(pass the outputs of one get_dispatch_layout call)")
         return num_experts
 
     def _check_nvl_capacity(self, what: str, config: Config, row_bytes: int, num_experts: int = 0) -> None:

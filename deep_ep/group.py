@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import socket
 import time
 from dataclasses import dataclass
@@ -13,6 +14,11 @@ import torch.distributed as dist
 
 class CommTimeoutError(RuntimeError):
     """A collective or a GPU wait did not complete within the Buffer's timeout."""
+
+
+def _host_id() -> int:
+    """A 63-bit id of this host's name."""
+    return int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:8], "little") >> 1
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,8 @@ class Group:
 
     # ---- object collectives (construction time) -----------------------------------------------------
     def all_gather_object(self, obj: Any) -> List[Any]:
-        self._check_usable()
+        """Every rank's picklable object (construction only: this wait is bounded by the group's own timeout)."""
+        self._check_not_broken()
         if self.group is None:
             return list(self.comm.allgather(obj))
         out: List[Any] = [None] * self.size
@@ -71,13 +78,20 @@ class Group:
 
     def detect_ranks_per_node(self) -> int:
         """Ranks per node from the hosts of the ranks: one node if all share a host, else equal blocks."""
-        hosts = self.all_gather_object(socket.gethostname())
+        hosts = self.gather_ints(_host_id(), "node layout detection")
         per_node = hosts.count(hosts[0])
         blocks = [hosts[i:i + per_node] for i in range(0, self.size, per_node)]
         if self.size % per_node or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+            names = self.all_gather_object(socket.gethostname())
             raise ValueError("Buffer: cannot detect the node layout (ranks of a host must form equal contiguous "
-                             f"blocks in group order; hosts are {hosts}); pass num_ranks_per_node explicitly")
+                             f"blocks in group order; hosts are {names}); pass num_ranks_per_node explicitly")
         return per_node
+
+    def gather_ints(self, value: int, what: str) -> List[int]:
+        """Every rank's int, within the timeout (through an mpi4py communicator: unbounded)."""
+        if self.group is None:
+            return [int(v) for v in self.comm.allgather(int(value))]
+        return self.all_gather(torch.tensor([value], dtype=torch.int64), what).view(-1).tolist()
 
     # ---- tensor collectives ---------------------------------------------------------------------------
     def all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
@@ -100,7 +114,7 @@ class Group:
         return PendingAllToAll(self, work, what, output, staged_out)
 
     def barrier(self, what: str) -> None:
-        self._check_usable()
+        self._check_not_broken()
         if self.group is None:
             self.comm.Barrier()
             return
@@ -131,10 +145,13 @@ class Group:
                                f"(waiting for the other {self.size - 1} ranks of the group: {detail.strip()}); "
                                "this Buffer cannot be used any more")
 
-    def _check_usable(self) -> None:
+    def _check_not_broken(self) -> None:
         if self._broken is not None:
             raise RuntimeError(f"rank {self.rank}: an earlier collective ({self._broken}) failed; "
                                "destroy this Buffer and create a new one")
+
+    def _check_usable(self) -> None:
+        self._check_not_broken()
         if self.group is None:
             raise NotImplementedError("tensor collectives need a torch.distributed group; an mpi4py 'comm' "
                                       "only serves construction with a fast transport")

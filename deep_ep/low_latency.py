@@ -8,29 +8,38 @@ from typing import Callable, List, Optional
 class ReceiveHook:
     """Completes a low-latency call when invoked; may run on any thread, exactly once."""
 
-    def __init__(self, receive: Callable[[], None], on_done: Callable[[], None], name: str) -> None:
-        self._receive, self._on_done, self._name = receive, on_done, name
+    def __init__(self, receive: Callable[[], None], name: str) -> None:
+        self._receive, self._name = receive, name
         self._lock = threading.Lock()
-        self._ran = False
+        self._started = False
+        self._done = False
+        self._stale = False
 
     @property
-    def ran(self) -> bool:
-        return self._ran
+    def pending(self) -> bool:
+        """True until the receive has finished (a hook still running holds its buffer half)."""
+        return not self._done and not self._stale
+
+    def discard(self) -> None:
+        """The buffer was cleaned: calling this hook afterwards is an error."""
+        self._stale = True
 
     def __call__(self) -> None:
         with self._lock:
-            if self._ran:
+            if self._stale:
+                raise RuntimeError(f"the receive hook of {self._name} was discarded by clean_low_latency_buffer")
+            if self._started:
                 raise RuntimeError(f"the receive hook of {self._name} was already called; call each hook once")
-            self._ran = True
+            self._started = True
         try:
             self._receive()
         finally:
-            self._on_done()
+            self._done = True
 
 
 class LowLatencySlots:
     """Each low-latency call takes the next of two buffer halves. A half is reusable once the hook of the
-    call that last used it has run: a third call while the call two before still waits for its hook
+    call that last used it has finished: a third call while the call two before still waits for its hook
     would overwrite that call's data, so it is refused."""
 
     def __init__(self) -> None:
@@ -42,7 +51,7 @@ class LowLatencySlots:
         with self._lock:
             half = self.next_half
             waiting = self._pending[half]
-            if waiting is not None and not waiting.ran:
+            if waiting is not None and waiting.pending:
                 raise RuntimeError(f"{name}: the low-latency call two calls ago still has an un-run receive hook; "
                                    "at most two low-latency results may be pending: call its hook first")
             self._pending[half] = None
@@ -53,11 +62,11 @@ class LowLatencySlots:
         with self._lock:
             self._pending[half] = hook
 
-    def any_pending(self) -> bool:
-        with self._lock:
-            return any(h is not None and not h.ran for h in self._pending)
-
     def reset(self) -> None:
+        """Back to the first half; hooks not yet run are discarded."""
         with self._lock:
+            for hook in self._pending:
+                if hook is not None:
+                    hook.discard()
             self.next_half = 0
             self._pending = [None, None]

@@ -28,13 +28,18 @@ class CommStream:
             self.stream = torch.cuda.Stream(device=device, priority=-1)
 
     def run(self, fn: Callable[[], Any], inputs: Tuple[Any, ...], previous_event: Optional[EventOverlap],
-            async_finish: bool) -> Tuple[Any, EventOverlap]:
+            async_finish: bool, validate: Optional[Callable[[], None]] = None) -> Tuple[Any, EventOverlap]:
         """Run `fn` on the comm stream after `previous_event` (or the current stream's work so far).
+
+        `validate` checks input values first, on the comm stream once it has waited: inputs produced by an
+        earlier asynchronous call are only complete from there.
 
         Outputs are allocated on the comm stream and marked as used by the calling stream. With
         `async_finish` the caller's stream does not wait and the returned overlap holds the event;
         otherwise the caller's stream waits and the overlap's event is None."""
         if self.stream is None:
+            if validate is not None:
+                validate()
             result = fn()
             return result, EventOverlap(EventHandle.completed() if async_finish else None)
         compute = torch.cuda.current_stream()
@@ -43,6 +48,8 @@ class CommStream:
         else:
             self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
+            if validate is not None:
+                validate()
             result = fn()
             event = EventHandle(self.stream)
         capturing = torch.cuda.is_current_stream_capturing()

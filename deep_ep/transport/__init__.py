@@ -41,8 +41,8 @@ def select_transport(name: str, group: Group, topology: Topology, device: torch.
 def nvlink_fits(group: Group, topology: Topology, device: torch.device) -> bool:
     """Collective: every rank must agree, so the answer is the AND over the group."""
     usable = device.type == "cuda" and not topology.is_internode and importlib.util.find_spec("triton") is not None
-    devices = group.all_gather_object(device.index if usable else None)
-    if any(d is None for d in devices):
+    devices = group.gather_ints(device.index if usable else -1, "NVLink transport check")
+    if any(d < 0 for d in devices):
         return False
     return all(a == b or torch.cuda.can_device_access_peer(a, b) for a in set(devices) for b in set(devices))
 

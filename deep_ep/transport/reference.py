@@ -390,6 +390,7 @@ class ReferenceTransport(Transport):
 
     # ---- low-latency --------------------------------------------------------------------------------------
     def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats):
+        mask = None if mask is None else mask.clone()  # the mask as of this call, also for its receive hook
         topo = self.topology
         num_ranks, hidden = topo.num_ranks, x.shape[1]
         experts_per_rank = num_experts // num_ranks
@@ -466,6 +467,7 @@ class ReferenceTransport(Transport):
 
     def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt,
                             mask, out, wait_stats):
+        mask = None if mask is None else mask.clone()  # the mask as of this call, also for its receive hook
         topo = self.topology
         num_ranks = topo.num_ranks
         experts_per_rank, hidden = x.shape[0], x.shape[2]
