@@ -15,7 +15,7 @@ Protocol (epoch e):
 import triton
 import triton.language as tl
 
-from .sync import WAIT_CONSUMED, WAIT_DATA, fence_sys, wait_flag
+from .sync import WAIT_CONSUMED, WAIT_DATA, fence_sys, wait_all_peers
 
 
 @triton.jit
@@ -26,9 +26,7 @@ def combine_send_kernel(x_ptr, weights_ptr, prefix_ptr, bases_ptr, consumed_ptr,
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     epoch = tl.load(epoch_ptr)
-    ready = True
-    for s in tl.static_range(R):
-        ready = ready & wait_flag(consumed_ptr + s, epoch - 1, timeout_ns, status_ptr, WAIT_CONSUMED, s)
+    ready = wait_all_peers(consumed_ptr, epoch - 1, timeout_ns, status_ptr, WAIT_CONSUMED, R)
     ro = tl.arange(0, BLOCK_R)
     ends = tl.load(prefix_ptr + 1 + ro, mask=ro < R, other=2147483647)
     num_recv = tl.load(prefix_ptr + R)
@@ -61,9 +59,7 @@ def combine_reduce_kernel(own_base, data_flag_word, in_rank_ptr, send_head_ptr, 
     num_programs = tl.num_programs(0)
     epoch = tl.load(epoch_ptr)
     flags = own_base.to(tl.pointer_type(tl.int64)) + data_flag_word
-    ready = True
-    for d in tl.static_range(R):
-        ready = ready & wait_flag(flags + d, epoch, timeout_ns, status_ptr, WAIT_DATA, d)
+    ready = wait_all_peers(flags, epoch, timeout_ns, status_ptr, WAIT_DATA, R)
     tl.debug_barrier()
     ho = tl.arange(0, BLOCK_H)
     ko = tl.arange(0, BLOCK_K)

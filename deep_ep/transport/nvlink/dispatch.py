@@ -14,7 +14,7 @@ Protocol (epoch e):
 import triton
 import triton.language as tl
 
-from .sync import WAIT_CONSUMED, WAIT_DATA, fence_sys, wait_flag
+from .sync import WAIT_CONSUMED, WAIT_DATA, fence_sys, wait_all_peers
 
 
 @triton.jit
@@ -25,9 +25,7 @@ def dispatch_send_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, s
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     epoch = tl.load(epoch_ptr)
-    ready = True
-    for d in tl.static_range(R):
-        ready = ready & wait_flag(consumed_ptr + d, epoch - 1, timeout_ns, status_ptr, WAIT_CONSUMED, d)
+    ready = wait_all_peers(consumed_ptr, epoch - 1, timeout_ns, status_ptr, WAIT_CONSUMED, R)
     if ready:
         per_program = tl.cdiv(num_tokens, num_programs)
         first = pid * per_program
@@ -70,9 +68,7 @@ def dispatch_recv_kernel(own_base, data_flag_word, prefix_ptr, out_x_ptr, out_sc
     num_programs = tl.num_programs(0)
     epoch = tl.load(epoch_ptr)
     flags = own_base.to(tl.pointer_type(tl.int64)) + data_flag_word
-    ready = True
-    for s in tl.static_range(R):
-        ready = ready & wait_flag(flags + s, epoch, timeout_ns, status_ptr, WAIT_DATA, s)
+    ready = wait_all_peers(flags, epoch, timeout_ns, status_ptr, WAIT_DATA, R)
     tl.debug_barrier()
     ro = tl.arange(0, BLOCK_R)
     ends = tl.load(prefix_ptr + 1 + ro, mask=ro < R, other=2147483647)

@@ -39,6 +39,15 @@ def wait_flag(flag_ptr, target, timeout_ns, status_ptr, code, peer):
 
 
 @triton.jit
+def wait_all_peers(flags_ptr, target, timeout_ns, status_ptr, code, R: tl.constexpr):
+    """Wait until the flag slot of every peer (flags_ptr[0..R)) is >= target; False if any timed out."""
+    ready = True
+    for peer in tl.static_range(R):
+        ready = ready & wait_flag(flags_ptr + peer, target, timeout_ns, status_ptr, code, peer)
+    return ready
+
+
+@triton.jit
 def signal_peers_kernel(bases_ptr, flag_word, epoch_ptr, rank):
     """Program d raises this rank's flag slot `flag_word + rank` (int64 words) in rank d's buffer to the
     current epoch, after everything this rank stored before (stream order + system fence)."""
