@@ -86,8 +86,5 @@ class Transport(ABC):
                             wait_stats: Optional[torch.Tensor]) -> Callable[[], None]:
         """Send expert outputs back; the receive step writes the weighted sums into `out`."""
 
-    def barrier(self) -> None:
-        self.group.barrier("barrier")
-
     def destroy(self) -> None:
         """Release what the transport holds (collective)."""

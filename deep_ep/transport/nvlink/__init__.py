@@ -17,15 +17,12 @@ import torch
 
 from ...group import CommTimeoutError, Group, Topology
 from ..base import DispatchOutput, Transport
-from ..reference import ReferenceTransport, _positions
+from ...config import _round_up
+from ..reference import ReferenceTransport, _channel_counts, _exclusive_cumsum, _positions
 
 _FLAG_SETS = 3                 # NOTIFY, DATA, CONSUMED: one int64 slot per peer each
 _MAX_RECORD_EXTRA = 1024 + 128  # experts per rank + channels, bound of a notify record
 _ALIGN = 256
-
-
-def _round_up(value: int, unit: int) -> int:
-    return (value + unit - 1) // unit * unit
 
 
 def _next_pow2(value: int) -> int:
@@ -111,7 +108,7 @@ class NVLinkTransport(Transport):
         experts_per_rank = num_experts // num_ranks
         num_tokens = x.shape[0]
         self._next_epoch()
-        channel_counts = self._channel_counts(is_token_in_rank, num_channels)
+        channel_counts = _channel_counts(is_token_in_rank, num_channels)
         record = torch.cat([
             torch.full((num_ranks, 1), num_tokens, dtype=torch.int32, device=dev),
             num_tokens_per_rank.view(num_ranks, 1),
@@ -155,7 +152,7 @@ class NVLinkTransport(Transport):
                          experts_per_rank, num_channels)
         rank_prefix_matrix = torch.cumsum(sent_matrix, dim=0).to(torch.int32)
         channel_prefix = torch.cumsum(channel_counts, dim=1).to(torch.int32)
-        recv_channel_prefix = (torch.cumsum(recv_channel_counts, dim=1) - recv_channel_counts).to(torch.int32)
+        recv_channel_prefix = _exclusive_cumsum(recv_channel_counts, dim=1).to(torch.int32)
         out.handle = (rank_prefix_matrix, channel_prefix, recv_channel_prefix, out.handle, is_token_in_rank, send_head)
         out.num_recv_tokens_per_expert_list = aligned_list
         self._remember_bound(out.handle[3], bound)
@@ -221,11 +218,6 @@ class NVLinkTransport(Transport):
         prefix = torch.zeros(self.topology.num_ranks + 1, dtype=torch.int32, device=self.device)
         prefix[1:] = handle[0][:, self.topology.rank]
         return prefix
-
-    @staticmethod
-    def _channel_counts(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.Tensor:
-        from ..reference import _channel_counts
-        return _channel_counts(is_token_in_rank, num_channels)
 
     # ---- combine ---------------------------------------------------------------------------------------------
     def combine(self, x, handle, topk_weights, biases, num_channels):
