@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", default=None, help="Buffer(transport=...); default: the library's choice")
     p.add_argument("--num-sms", type=_positive, default=None,
                    help="Buffer.set_num_sms (even); default: the library's default")
+    p.add_argument("--nvl-bytes", type=_positive, default=None,
+                   help="num_nvl_bytes of the normal-mode Buffer (default: the larger of the dispatch and combine "
+                        "configs' size hints)")
     p.add_argument("--warmup", type=_non_negative, default=None,
                    help="untimed calls per operation (default 10 on GPU, 3 on CPU)")
     p.add_argument("--iters", type=_positive, default=None,
@@ -144,7 +147,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[
     if args.num_sms is not None and args.num_sms % 2:
         parser.error(f"--num-sms must be even, got {args.num_sms}")
     plan.update(num_ranks=num_ranks, device=device, backend=backend, num_gpus=num_gpus, modes=modes,
-                transport=args.transport, num_sms=args.num_sms, seed=args.seed)
+                transport=args.transport, num_sms=args.num_sms, nvl_bytes=args.nvl_bytes, seed=args.seed)
     return plan
 
 
@@ -396,7 +399,9 @@ def _bench_normal(ctx: _Ctx, results: Dict[str, Any], info: Dict[str, Any]) -> N
     if plan["num_sms"] is not None:
         Buffer.set_num_sms(plan["num_sms"])
     dispatch_config, combine_config = Buffer.get_dispatch_config(R), Buffer.get_combine_config(R)
-    num_nvl_bytes = max(c.get_nvl_buffer_size_hint(H * 2, R) for c in (dispatch_config, combine_config))
+    num_nvl_bytes = plan["nvl_bytes"] or max(c.get_nvl_buffer_size_hint(H * 2, R)
+                                             for c in (dispatch_config, combine_config))
+    info["nvl_bytes"] = num_nvl_bytes
     buffer = Buffer(ctx.group, num_nvl_bytes, 0, explicitly_destroy=True, transport=plan["transport"],
                     device=device)
     info["transport"] = buffer.transport_name
@@ -806,7 +811,7 @@ def _summarise(plan: Dict[str, Any], result: Dict[str, Any], wall_s: float) -> D
                   backend=plan["backend"], transport=info.get("transport"), modes=plan["modes"],
                   tokens=plan["tokens"], hidden=plan["hidden"], topk=plan["topk"], experts=plan["experts"],
                   ll_tokens=plan["ll_tokens"], ll_experts=plan["ll_experts"],
-                  num_sms=info.get("num_sms", plan["num_sms"]), warmup=plan["warmup"], iters=plan["iters"],
+                  num_sms=info.get("num_sms", plan["num_sms"]), nvl_bytes=info.get("nvl_bytes"), warmup=plan["warmup"], iters=plan["iters"],
                   seed=plan["seed"], torch=torch.__version__)
     return dict(ok=True, config=config, ops=ops,
                 verification=dict(passed=True, checks=result["checks"]),
@@ -821,7 +826,7 @@ def format_table(report: Dict[str, Any]) -> str:
              f"transport {c['transport']}, torch {c['torch']}"]
     if "normal" in c["modes"]:
         lines.append(f"  normal:      {c['tokens']} tokens/rank, hidden {c['hidden']}, top-{c['topk']}, "
-                     f"{c['experts']} experts, num_sms {c['num_sms']}")
+                     f"{c['experts']} experts, num_sms {c['num_sms']}, num_nvl_bytes {c['nvl_bytes']}")
     if "low-latency" in c["modes"]:
         lines.append(f"  low-latency: {c['ll_tokens']} tokens/rank, hidden {c['hidden']}, top-{c['topk']}, "
                      f"{c['ll_experts']} experts")

@@ -183,9 +183,10 @@ class Buffer:
         self._live("get_dispatch_layout")
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         self._check_topk_idx("topk_idx", topk_idx, num_experts)
+        validate = None if self._transport.checks_values_on_device else (
+            lambda: check_expert_ids("topk_idx", topk_idx, num_experts))
         result, event = self._comm_stream.run(lambda: self._transport.get_dispatch_layout(topk_idx, num_experts),
-                                              (topk_idx,), previous_event, async_finish,
-                                              validate=lambda: check_expert_ids("topk_idx", topk_idx, num_experts))
+                                              (topk_idx,), previous_event, async_finish, validate=validate)
         return (*result, event)
 
     def dispatch(self, x: Tensors, handle: Optional[tuple] = None,
@@ -259,6 +260,8 @@ class Buffer:
                 if not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
                     raise ValueError("num_tokens_per_rank must equal the column sums of is_token_in_rank "
                                      "(pass the outputs of one get_dispatch_layout call)")
+        if self._transport.checks_values_on_device:
+            validate = None
         out, event = self._comm_stream.run(run, inputs, previous_event, async_finish, validate)
         recv_x = (out.recv_x, out.recv_scales) if scales is not None else out.recv_x
         if handle is not None:

@@ -117,7 +117,9 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
     """Run the cases from index `start` on (the local cases, then the mismatch steps)."""
     res = Results(ctx.rank, progress_dir)
     dev, group = ctx.device, ctx.group
-    timeout = dict(timeout_s=STEP_TIMEOUT_S)
+    # The reference transport checks values at the call; the NVLink transport's deferred checks are tested in
+    # test_nvlink.py.
+    timeout = dict(timeout_s=STEP_TIMEOUT_S, transport="reference")
     ll_bytes = ll_formula(LL_MAX["n"], LL_MAX["hidden"], LL_MAX["experts"])
 
     buf = Buffer(group, nvl_size(), 0, **timeout)
@@ -617,7 +619,7 @@ TIMEOUT_S = 3
 
 
 def run_timeout_case(ctx) -> Dict[str, Any]:
-    buf = Buffer(ctx.group, nvl_size(), 0, timeout_s=TIMEOUT_S)
+    buf = Buffer(ctx.group, nvl_size(), 0, timeout_s=TIMEOUT_S, transport="reference")
     x = torch.ones((T, H), dtype=torch.bfloat16, device=ctx.device)
     topk_idx = torch.tensor([[0, 2]] * T, dtype=torch.int64, device=ctx.device)
     ntpr, ntprr, ntpe, itir, _ = buf.get_dispatch_layout(topk_idx, E)

@@ -242,14 +242,14 @@ def check_handle(chk: Checker, what: str, handle: Any, expected: model.DispatchR
 
 
 def run_cases(ctx, seed: int, cases: List[Dict[str, Any]], ranks_per_node: Optional[int] = None,
-              transport: Optional[str] = None) -> List[str]:
+              transport: Optional[str] = None, num_nvl_bytes: Optional[int] = None) -> List[str]:
     from deep_ep import Buffer
     kwargs = dict(explicitly_destroy=True, timeout_s=BUFFER_TIMEOUT_S)
     if ranks_per_node is not None:
         kwargs["num_ranks_per_node"] = ranks_per_node
     if transport is not None:
         kwargs["transport"] = transport
-    buffer = Buffer(ctx.group, nvl_bytes(), 0, **kwargs)
+    buffer = Buffer(ctx.group, num_nvl_bytes or nvl_bytes(), 0, **kwargs)
     errors: List[str] = []
     for case in cases:
         chk = Checker(seed, case["name"], ctx.rank)

@@ -1,47 +1,348 @@
-"""The NVLink transport against the same independent model as the reference transport (GPU machine only).
+"""The NVLink transport on the GPU machine (skipped elsewhere).
 
-Run with `DEEP_EP_TEST_DEVICE=cuda python -m pytest tests/test_nvlink.py`: 2 ranks on 2 GPUs, and 3 and 4
-ranks with several processes per GPU (a gloo control plane, CUDA IPC between the processes)."""
+Run with `DEEP_EP_TEST_DEVICE=cuda python -m pytest tests/test_nvlink.py`: 2 ranks on 2 GPUs, and 3, 4 and 8
+ranks with several processes per GPU (a gloo control plane, CUDA IPC between the processes). On GPUs the
+rest of the suite runs on the NVLink transport too ("auto" picks it); these tests add the comparison with
+the reference transport at large shapes, small buffers (rows stream through the rings in many rounds),
+8 ranks, CUDA-graph capture, a long stress run and the NVLink-specific errors.
+"""
+from typing import Any, Dict, List, Optional
+
 import pytest
 import torch
 
-from randomness import base_seed
-from test_normal import CASES_2, CASES_3, CASES_4, EDGE_CASES, _report, random_cases, run_cases
+from randomness import base_seed, bits, generator
+from test_normal import CASES_4, _report, make_routing, make_x, random_cases, run_cases
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("world_size,cases", [(2, CASES_2), (3, CASES_3), (4, CASES_4)],
-                         ids=["2ranks", "3ranks", "4ranks"])
-def test_nvlink_matches_model(pool, world_size, cases):
+# ---------------------------------------------------------------------------------------------------
+# NVLink against the reference transport, same inputs, same group
+# ---------------------------------------------------------------------------------------------------
+def _same(errors: List[str], what: str, got, expected, rows: Optional[int] = None) -> None:
+    if got is None or expected is None:
+        if (got is None) != (expected is None):
+            errors.append(f"{what}: one side is None")
+        return
+    if rows is not None:
+        got, expected = got[:rows], expected[:rows]
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        errors.append(f"{what}: {tuple(got.shape)} {got.dtype} vs reference {tuple(expected.shape)} {expected.dtype}")
+    elif not torch.equal(bits(got), bits(expected)):
+        diff = (bits(got) != bits(expected)).nonzero()
+        errors.append(f"{what}: differs from the reference at {diff.shape[0]} places, first {diff[0].tolist()}")
+
+
+def _inputs(seed: int, shape: Dict[str, Any], rank: int, num_ranks: int, device):
+    gen = generator(seed, shape["name"], rank)
+    num_tokens, num_experts = shape["tokens"][rank], shape["experts"]
+    idx, weights = make_routing(gen, num_tokens, shape["topk"], num_experts, shape.get("routing", "uniform"),
+                                shape.get("mask_frac", 0.0), int(generator(seed, shape["name"]).seed() % num_experts))
+    x = make_x(gen, num_tokens, shape["hidden"], "bf16")
+    x_fp8 = make_x(gen, num_tokens, shape["hidden"], "fp8_col")
+    bias = torch.randn(num_tokens, shape["hidden"], generator=gen).to(torch.bfloat16)
+    move = lambda t: t.to(device)  # noqa: E731
+    return move(x), tuple(map(move, x_fp8)), move(idx), move(weights), move(bias)
+
+
+def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]], num_nvl_bytes: Optional[int] = None) -> List[str]:
+    """Every normal-mode operation on the NVLink transport and on the reference transport: bitwise equal."""
+    from deep_ep import Buffer, Config
+    errors: List[str] = []
+    for shape in shapes:
+        config = Config(shape["num_sms"], 4, shape.get("ring_tokens", 256))
+        nvl = num_nvl_bytes or config.get_nvl_buffer_size_hint(shape["hidden"] * 2, ctx.world_size)
+        fast = Buffer(ctx.group, nvl, 0, transport="nvlink", explicitly_destroy=True, timeout_s=60)
+        ref = Buffer(ctx.group, nvl, 0, transport="reference", explicitly_destroy=True, timeout_s=60)
+        x, x_fp8, idx, weights, bias = _inputs(seed, shape, ctx.rank, ctx.world_size, ctx.device)
+        name = f"rank {ctx.rank} {shape['name']}"
+        layouts = [b.get_dispatch_layout(idx, shape["experts"])[:4] for b in (fast, ref)]
+        for i, field in enumerate(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
+                                   "is_token_in_rank")):
+            _same(errors, f"{name} layout {field}", layouts[0][i], layouts[1][i])
+        per_rank, _, per_expert, in_rank = layouts[1]
+        kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=idx, topk_weights=weights, config=config, expert_alignment=shape.get("alignment", 1))
+        outs = {}
+        for label, b in (("fast", fast), ("ref", ref)):
+            bf16 = b.dispatch(x, **kwargs)
+            fp8 = b.dispatch(x_fp8, **kwargs)
+            cached = b.dispatch(x, handle=bf16[4], config=config)
+            combined = b.combine(bf16[0], bf16[4], topk_weights=bf16[2], bias=bias, config=config)
+            worst_rows = sum(shape["tokens"]) + 3
+            worst = b.dispatch(x_fp8, num_worst_tokens=worst_rows, **kwargs)
+            outs[label] = (bf16, fp8, cached, combined, worst)
+        (bf16, fp8, cached, combined, worst), (rbf16, rfp8, rcached, rcombined, rworst) = outs["fast"], outs["ref"]
+        for what, got, exp in (("bf16", bf16, rbf16), ("fp8", fp8, rfp8)):
+            data, rdata = got[0], exp[0]
+            if isinstance(data, tuple):
+                _same(errors, f"{name} {what} recv_x", data[0], rdata[0])
+                _same(errors, f"{name} {what} recv_scales", data[1], rdata[1])
+            else:
+                _same(errors, f"{name} {what} recv_x", data, rdata)
+            _same(errors, f"{name} {what} recv_topk_idx", got[1], exp[1])
+            _same(errors, f"{name} {what} recv_topk_weights", got[2], exp[2])
+            if got[3] != exp[3]:
+                errors.append(f"{name} {what} num_recv_tokens_per_expert_list {got[3]} vs {exp[3]}")
+            for i in range(6):
+                _same(errors, f"{name} {what} handle[{i}]", got[4][i], exp[4][i])
+        _same(errors, f"{name} cached recv_x", cached[0], rcached[0])
+        _same(errors, f"{name} combine x", combined[0], rcombined[0])
+        _same(errors, f"{name} combine weights", combined[1], rcombined[1])
+        num_recv = rbf16[0].shape[0]
+        _same(errors, f"{name} worst recv_x", worst[0][0], rworst[0][0], rows=num_recv)
+        _same(errors, f"{name} worst recv_scales", worst[0][1], rworst[0][1], rows=num_recv)
+        _same(errors, f"{name} worst recv_topk_idx", worst[1], rworst[1])
+        _same(errors, f"{name} worst recv_topk_weights", worst[2], rworst[2])
+        _same(errors, f"{name} worst recv_src_idx", worst[4][3], rworst[4][3])
+        again = fast.combine(bf16[0], bf16[4], config=config)[0]
+        _same(errors, f"{name} combine again (handle reuse)", again,
+              ref.combine(rbf16[0], rbf16[4], config=config)[0])
+        fast.destroy()
+        ref.destroy()
+    return errors
+
+
+SWEEP = [  # hidden 1024..8192, tokens 0/1/4096/8192 (uneven across ranks), top-k 1/8/32
+    dict(name="deepseek-bf16-h7168-top8-rank1-empty", tokens=[4096, 0], hidden=7168, topk=8, experts=256, num_sms=24),
+    dict(name="h2880-top32-one-token", tokens=[1, 4096], hidden=2880, topk=32, experts=64, num_sms=24,
+         mask_frac=0.2),
+    dict(name="h4096-top1-8192-tokens", tokens=[8192, 8192], hidden=4096, topk=1, experts=16, num_sms=16),
+    dict(name="h1024-top8-tiny", tokens=[0, 1], hidden=1024, topk=8, experts=32, num_sms=8),
+    dict(name="h8192-skewed-align128", tokens=[4096, 3000], hidden=8192, topk=8, experts=64, num_sms=24,
+         routing="skewed", alignment=128),
+    dict(name="h1024-top32-masked-8192", tokens=[8192, 17], hidden=1024, topk=32, experts=128, num_sms=20,
+         mask_frac=0.3),
+]
+
+# Rings of a few rows: every (source, channel) streams in many rounds of flow control.
+SMALL_RINGS = [
+    dict(name="small-rings-bf16", tokens=[700, 513, 300, 0], hidden=2048, topk=8, experts=32, num_sms=4, ring_tokens=16,
+         mask_frac=0.1),
+    dict(name="small-rings-skewed", tokens=[64, 900, 1, 450], hidden=1024, topk=4, experts=16, num_sms=8,
+         ring_tokens=8, routing="skewed"),
+]
+
+
+def test_nvlink_matches_reference_sweep(pool):
     seed = base_seed()
-    cases = cases + random_cases(seed, world_size, 3) + EDGE_CASES[world_size]
+    _report(seed, lambda: pool(2).run(run_compare, seed, SWEEP))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_nvlink_small_rings_match_reference(pool, world_size):
+    seed = base_seed()
+    shapes = [dict(s, tokens=s["tokens"][:world_size]) for s in SMALL_RINGS]
+    _report(seed, lambda: pool(world_size).run(run_compare, seed, shapes))
+
+
+@pytest.mark.parametrize("world_size", [3, 8])
+def test_nvlink_matches_model(pool, world_size):
+    """3 and 8 ranks on 2 GPUs (2 and 4 processes per GPU), against the independent model."""
+    seed = base_seed()
+    cases = random_cases(seed, world_size, 3)
+    if world_size == 8:
+        cases += [dict(c, name=c["name"].replace("4r", "8r"), tokens=c["tokens"] * 2) for c in CASES_4[:2]]
     _report(seed, lambda: pool(world_size).run(run_cases, seed, cases, None, "nvlink"))
 
 
-def run_fallback_then_fast(ctx) -> None:
-    """Rows that do not fit the staging area go through the reference transport; the fast path must keep
-    working afterwards (the fallback closes its epoch)."""
-    from deep_ep import Buffer, Config
-    config = Config(2, 1, 2)
-    buffer = Buffer(ctx.group, 1 << 20, 0, transport="nvlink", explicitly_destroy=True, timeout_s=20)
-    num_experts, hidden = 2 * ctx.world_size, 256
-    for num_tokens in (2000, 2000, 16, 16):   # 2000 BF16 rows do not fit 1 MiB; 16 do
-        gen = torch.Generator().manual_seed(ctx.rank * 1000 + num_tokens)
-        x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16).to(ctx.device)
-        topk_idx = torch.randint(0, num_experts, (num_tokens, 1), generator=gen).to(ctx.device)
-        weights = torch.ones(num_tokens, 1, device=ctx.device)
-        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
-        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights, config=config)
-        cached, *_ = buffer.dispatch(x, handle=handle, config=config)
-        assert torch.equal(cached, recv_x)
-        combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w, config=config)
-        assert torch.equal(combined, x), f"rank {ctx.rank}: combine(dispatch(x)) != x with {num_tokens} tokens"
-        assert torch.equal(combined_w, weights)
+# ---------------------------------------------------------------------------------------------------
+# "auto" picks the NVLink transport on the GPU machine
+# ---------------------------------------------------------------------------------------------------
+def run_auto(ctx) -> str:
+    from deep_ep import Buffer
+    buffer = Buffer(ctx.group, 1 << 24, 0, explicitly_destroy=True)
+    name = buffer.transport_name
     buffer.destroy()
+    small = Buffer(ctx.group, 0, 0, explicitly_destroy=True)   # no NVLink buffer: the reference transport
+    assert small.transport_name == "reference", small.transport_name
+    small.destroy()
+    return name
 
 
-def test_nvlink_fallback_keeps_the_fast_path_working(pool):
-    pool(2).run(run_fallback_then_fast)
+def test_auto_picks_nvlink_on_one_node(pool):
+    assert pool(2).run(run_auto) == ["nvlink", "nvlink"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA graph: layout + num_worst_tokens dispatch + combine captured once, replayed with new inputs
+# ---------------------------------------------------------------------------------------------------
+def run_graph(ctx, seed: int, replays: int) -> List[str]:
+    from deep_ep import Buffer, Config
+    num_tokens, hidden, topk, num_experts = 256, 1024, 8, 32
+    worst = num_tokens * ctx.world_size
+    config = Config(8, 4, 64)
+    fast = Buffer(ctx.group, 1 << 26, 0, transport="nvlink", explicitly_destroy=True, timeout_s=60)
+    ref = Buffer(ctx.group, 1 << 26, 0, transport="reference", explicitly_destroy=True, timeout_s=60)
+    static_x = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16, device=ctx.device)
+    static_idx = torch.zeros(num_tokens, topk, dtype=torch.int64, device=ctx.device)
+    static_w = torch.zeros(num_tokens, topk, dtype=torch.float32, device=ctx.device)
+
+    def step():
+        per_rank, _, per_expert, in_rank, _ = fast.get_dispatch_layout(static_idx, num_experts)
+        recv_x, recv_idx, recv_w, _, handle, _ = fast.dispatch(
+            static_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=static_idx, topk_weights=static_w, num_worst_tokens=worst, config=config)
+        combined, combined_w, _ = fast.combine(recv_x, handle, topk_weights=recv_w, config=config)
+        return recv_x, recv_idx, recv_w, handle[3], combined, combined_w
+
+    def load(i: int):
+        gen = generator(seed, "graph", i, ctx.rank)
+        idx, w = make_routing(gen, num_tokens, topk, num_experts, "skewed" if i % 2 else "uniform", 0.1 * (i % 3))
+        static_x.copy_(make_x(gen, num_tokens, hidden, "bf16"))
+        static_idx.copy_(idx)
+        static_w.copy_(w)
+
+    load(-1)
+    step()                                # compile the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            outputs = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    errors: List[str] = []
+    for i in range(replays):
+        load(i)
+        graph.replay()
+        recv_x, recv_idx, recv_w, recv_src, combined, combined_w = outputs
+        per_rank, _, per_expert, in_rank, _ = ref.get_dispatch_layout(static_idx, num_experts)
+        rx, ridx, rw, _, rhandle, _ = ref.dispatch(static_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                   num_tokens_per_expert=per_expert, topk_idx=static_idx,
+                                                   topk_weights=static_w, num_worst_tokens=worst, config=config)
+        rcombined, rcombined_w, _ = ref.combine(rx, rhandle, topk_weights=rw, config=config)
+        rows = int(rhandle[0][-1, ctx.rank])
+        name = f"rank {ctx.rank} replay {i}"
+        _same(errors, f"{name} recv_x", recv_x, rx, rows=rows)
+        _same(errors, f"{name} recv_topk_idx", recv_idx, ridx)
+        _same(errors, f"{name} recv_topk_weights", recv_w, rw)
+        _same(errors, f"{name} recv_src_idx", recv_src, rhandle[3])
+        _same(errors, f"{name} combined", combined, rcombined)
+        _same(errors, f"{name} combined weights", combined_w, rcombined_w)
+        if errors:
+            break
+    del graph
+    fast.destroy()
+    ref.destroy()
+    return errors
+
+
+def test_nvlink_cuda_graph_replays(pool):
+    seed = base_seed()
+    _report(seed, lambda: pool(2).run(run_graph, seed, 20))
+
+
+# ---------------------------------------------------------------------------------------------------
+# 10,000 back-to-back iterations with changing routing
+# ---------------------------------------------------------------------------------------------------
+STRESS_ITERATIONS = 10_000
+
+
+def run_stress(ctx, seed: int, iterations: int) -> Dict[str, int]:
+    """Each iteration: new routing (on the GPU), layout, dispatch (plain, num_worst_tokens or cached in turn),
+    combine; combine(dispatch(x)) must equal x times the number of ranks the token went to (exact in fp32).
+    Mismatches are counted on the GPU and read once at the end."""
+    from deep_ep import Buffer, Config
+    num_tokens, hidden, topk, num_experts = 96, 512, 4, 16
+    config = Config(8, 4, 32)
+    buffer = Buffer(ctx.group, Config(8, 4, 32).get_nvl_buffer_size_hint(hidden * 2, ctx.world_size), 0,
+                    transport="nvlink", explicitly_destroy=True, timeout_s=60)
+    gen = torch.Generator(device=ctx.device)
+    gen.manual_seed(seed + ctx.rank)
+    wrong = torch.zeros((), dtype=torch.int64, device=ctx.device)
+    handle = None
+    x = torch.randn(num_tokens, hidden, generator=gen, device=ctx.device).to(torch.bfloat16)
+    for i in range(iterations):
+        scores = torch.rand(num_tokens, num_experts, generator=gen, device=ctx.device)
+        idx = scores.topk(topk, dim=1).indices
+        idx = torch.where(torch.rand(idx.shape, generator=gen, device=ctx.device) < 0.1, -1, idx)
+        mode = i % 3 if handle is not None else 0
+        if mode == 2:
+            recv_x = buffer.dispatch(x, handle=handle, config=config)[0]
+        else:
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
+            weights = torch.ones(idx.shape, dtype=torch.float32, device=ctx.device)
+            recv_x, _, _, _, handle, _ = buffer.dispatch(
+                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx, topk_weights=weights, num_worst_tokens=num_tokens * ctx.world_size if mode else 0,
+                config=config)
+        combined = buffer.combine(recv_x, handle, config=config)[0]
+        expected = (x.float() * handle[4].sum(1, keepdim=True)).to(torch.bfloat16)
+        wrong += (combined != expected).any(dim=1).sum()
+    result = dict(wrong_tokens=int(wrong), iterations=iterations)
+    buffer.destroy()
+    return result
+
+
+def test_nvlink_stress_10000_iterations(pool):
+    seed = base_seed()
+    results = pool(2).run(run_stress, seed, STRESS_ITERATIONS, timeout=600)
+    for rank, r in enumerate(results):
+        assert r["iterations"] == STRESS_ITERATIONS
+        assert r["wrong_tokens"] == 0, f"seed {seed}: rank {rank}: {r['wrong_tokens']} wrong tokens"
+
+
+# ---------------------------------------------------------------------------------------------------
+# NVLink-specific errors
+# ---------------------------------------------------------------------------------------------------
+def run_errors(ctx) -> Dict[str, str]:
+    import deep_ep
+    from deep_ep import Buffer
+    out: Dict[str, str] = {}
+    num_tokens, hidden, num_experts = 8, 256, 4
+    buffer = Buffer(ctx.group, 1 << 24, 0, transport="nvlink", explicitly_destroy=True, timeout_s=3)
+    x = torch.randn(num_tokens, hidden, device=ctx.device).to(torch.bfloat16)
+    idx = torch.tensor([[0, 2]] * num_tokens, dtype=torch.int64, device=ctx.device)
+    layout = buffer.get_dispatch_layout(idx, num_experts)
+    kwargs = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
+    # ranks calling with different hidden sizes: ValueError on every rank
+    other = x if ctx.rank == 0 else torch.cat([x, x], dim=1)
+    try:
+        buffer.dispatch(other, **kwargs)
+        out["mismatch"] = "no error"
+    except ValueError as error:
+        out["mismatch"] = "ValueError: " + str(error)
+    # an expert id out of range in get_dispatch_layout: reported by the next dispatch, on the rank that made it
+    bad = idx.clone()
+    if ctx.rank == 1:
+        bad[3, 1] = num_experts + 5
+    bad_layout = buffer.get_dispatch_layout(bad, num_experts)
+    try:
+        buffer.dispatch(x, num_tokens_per_rank=bad_layout[0], is_token_in_rank=bad_layout[3],
+                        num_tokens_per_expert=bad_layout[2])
+        out["bad_expert"] = "no error"
+    except ValueError as error:
+        out["bad_expert"] = "ValueError: " + str(error)
+    # the Buffer still works afterwards
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **kwargs)
+    out["after"] = str(bool(torch.equal(buffer.combine(recv_x, handle)[0], (2 * x.float()).to(torch.bfloat16))))
+    # a peer that never comes: rank 0 waits, gives up after timeout_s with an error naming rank and peer
+    if ctx.rank == 0:
+        try:
+            buffer.dispatch(x, **kwargs)
+            torch.cuda.synchronize()
+            out["timeout"] = "no error"
+        except deep_ep.CommTimeoutError as error:
+            out["timeout"] = "CommTimeoutError: " + str(error)
+    return out
+
+
+def test_nvlink_errors(pool):
+    from dist_utils import get_pool
+    try:
+        results = pool(2).run(run_errors, timeout=120)
+    finally:
+        get_pool(2).restart()   # rank 0's Buffer is broken after the timeout
+    for rank, r in enumerate(results):
+        assert r["mismatch"].startswith("ValueError") and "rank" in r["mismatch"], r["mismatch"]
+        assert r["bad_expert"].startswith("ValueError"), r["bad_expert"]
+        if rank == 1:
+            assert "topk_idx" in r["bad_expert"] and "9" in r["bad_expert"], r["bad_expert"]
+        else:
+            assert "rank(s) [1]" in r["bad_expert"], r["bad_expert"]
+        assert r["after"] == "True", f"rank {rank}: the Buffer is broken after refused calls"
+    assert "rank 0" in results[0]["timeout"] and "rank 1" in results[0]["timeout"], results[0]["timeout"]
+    assert results[0]["timeout"].startswith("CommTimeoutError"), results[0]["timeout"]

@@ -26,21 +26,31 @@ def transport_name(requested: Optional[str]) -> str:
 
 def select_transport(name: str, group: Group, topology: Topology, device: torch.device, nvl_buffer: torch.Tensor,
                      timeout_s: float) -> Transport:
-    """The transport `name` (from `transport_name`). "auto" resolves to the reference transport until the
-    NVLink transport covers the whole contract (it does not yet check that ranks pass matching shapes);
-    `nvlink_fits` says where that transport can run."""
-    if name == "nvlink":
-        if not nvlink_fits(group, topology, device):
-            raise ValueError("transport='nvlink' needs every rank on one node, on CUDA devices with peer access "
-                             "to each other, and Triton installed")
+    """The transport `name` (from `transport_name`). "auto": the NVLink transport when every rank of the group
+    is on one node, on CUDA devices with peer access to each other, with an NVLink buffer
+    (`num_nvl_bytes`) large enough for it; else the reference transport."""
+    if name == "reference":
+        return ReferenceTransport(group, topology, device)
+    fits = nvlink_fits(group, topology, device, nvl_buffer.numel())
+    if name == "nvlink" and not fits:
+        raise ValueError("transport='nvlink' needs every rank on one node, on CUDA devices with peer access "
+                         "to each other, Triton installed, and num_nvl_bytes > "
+                         f"{_nvlink_min_bytes(topology.num_ranks)}")
+    if fits:
         from .nvlink import NVLinkTransport
         return NVLinkTransport(group, topology, device, nvl_buffer, timeout_s)
     return ReferenceTransport(group, topology, device)
 
 
-def nvlink_fits(group: Group, topology: Topology, device: torch.device) -> bool:
+def _nvlink_min_bytes(num_ranks: int) -> int:
+    from .nvlink import header_bytes
+    return header_bytes(num_ranks)
+
+
+def nvlink_fits(group: Group, topology: Topology, device: torch.device, num_nvl_bytes: int) -> bool:
     """Collective: every rank must agree, so the answer is the AND over the group."""
-    usable = device.type == "cuda" and not topology.is_internode and importlib.util.find_spec("triton") is not None
+    usable = (device.type == "cuda" and not topology.is_internode and num_nvl_bytes > _nvlink_min_bytes(
+        topology.num_ranks) and importlib.util.find_spec("triton") is not None)
     devices = group.gather_ints(device.index if usable else -1, "NVLink transport check")
     if any(d < 0 for d in devices):
         return False

@@ -45,6 +45,9 @@ class Transport(ABC):
     """One data path for all of the Buffer's operations."""
 
     name: str
+    # True: the transport checks input values (expert ids, layout consistency) itself, without an extra host
+    # wait, and reports them by the next call that waits on the host; the Buffer then skips its own checks.
+    checks_values_on_device = False
 
     def __init__(self, group: Group, topology: Topology, device: torch.device) -> None:
         self.group, self.topology, self.device = group, topology, device

@@ -1,36 +1,64 @@
-"""NVLink transport: normal dispatch/combine as Triton kernels on peer-mapped buffers (one node).
+"""NVLink transport: layout, normal dispatch and combine as Triton kernels on peer-mapped buffers (one node).
 
-Each operation takes the next epoch (a device counter, so CUDA graph replays advance it) and runs:
-  non-cached dispatch: notify kernel -> counts to the host (the API's receive-count wait; skipped with
-  num_worst_tokens) -> send kernel -> DATA signal -> receive kernel -> CONSUMED signal;
-  cached dispatch and combine: the same without the notify.
-An operation whose rows would not fit the staging area in one round goes through the reference
-transport instead; every rank takes the same decision from values all ranks share (the largest token
-count, or num_worst_tokens), so the group never splits. Low-latency calls use the reference transport.
+  get_dispatch_layout: one local kernel, no host wait;
+  non-cached dispatch: notify kernel (counts to every rank) -> counts to the host (the API's receive-count
+    wait; skipped with num_worst_tokens) -> streaming dispatch kernel;
+  cached dispatch, combine: the streaming kernel alone, with the routing kept from the handle.
+The streaming kernels move rows through per-(source, channel) rings with flow control (dispatch.py), so
+any buffer that holds one row per ring works, and nothing waits on the host. Low-latency calls use the
+reference transport.
+
+Buffer layout (identical on every rank; counters int64, records int32):
+  [NOTIFY[R] | TAIL[R][CMAX] | HEAD[R][CMAX] | SENT[R][CMAX] | RECVD[R][CMAX] | records [2][R][REC_MAX] | rings]
+The rings area is split evenly into R x C rings (C = channels of the operation).
 """
 from __future__ import annotations
 
+import os
 import weakref
-from typing import Dict
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
+from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology
 from ..base import DispatchOutput, Transport
-from ...config import _round_up
-from ..reference import ReferenceTransport, _channel_counts, _exclusive_cumsum, _positions
+from ..reference import ReferenceTransport, _exclusive_cumsum
 
-_FLAG_SETS = 3                 # NOTIFY, DATA, CONSUMED: one int64 slot per peer each
-_MAX_RECORD_EXTRA = 1024 + 128  # experts per rank + channels, bound of a notify record
+CMAX = 64                      # most channels (num_sms / 2) an operation may use
+MAX_EXPERTS_PER_RANK = 1024
+BATCH = 16                     # tokens (rows per ring) per flow-control step
+LAYOUT_PROGRAMS = 16
+NUM_WARPS = int(os.environ.get("DEEP_EP_NVLINK_NUM_WARPS", "16"))
 _ALIGN = 256
+
+
+def _ctrl_bytes(num_ranks: int) -> int:
+    return _round_up((num_ranks + 4 * num_ranks * CMAX) * 8, _ALIGN)
+
+
+def header_bytes(num_ranks: int) -> int:
+    """Bytes of the NVLink buffer before the rings: counters and notify records."""
+    record_max = num_ranks + MAX_EXPERTS_PER_RANK + CMAX + 2   # see dispatch()
+    return _round_up(_ctrl_bytes(num_ranks) + 2 * num_ranks * record_max * 4, _ALIGN)
 
 
 def _next_pow2(value: int) -> int:
     return 1 << max(value - 1, 0).bit_length()
 
 
+class _Plan(NamedTuple):
+    """Where every row goes, on the device: enough to run a streaming kernel without the host."""
+    before: torch.Tensor      # [T + 1, R] int32: tokens before t that go to rank d (exclusive prefix)
+    recv_count: torch.Tensor  # [R, C] int32: rows this rank receives from (source, channel)
+    recv_base: torch.Tensor   # [R, C] int32: first output row of (source, channel)
+    prefix: torch.Tensor      # [R + 1] int32: first output row per source; prefix[R] = rows received
+    num_channels: int
+
+
 class NVLinkTransport(Transport):
     name = "nvlink"
+    checks_values_on_device = True
 
     def __init__(self, group: Group, topology: Topology, device: torch.device, nvl_buffer: torch.Tensor,
                  timeout_s: float) -> None:
@@ -39,24 +67,24 @@ class NVLinkTransport(Transport):
         if topology.is_internode:
             raise ValueError("transport='nvlink' needs every rank of the group on one node")
         self.reference = ReferenceTransport(group, topology, device)
-        num_ranks = topology.num_ranks
-        self.notify_flag_word, self.data_flag_word, self.consumed_flag_word = 0, num_ranks, 2 * num_ranks
-        flag_bytes = _round_up(_FLAG_SETS * num_ranks * 8, _ALIGN)
-        self.notify_word = flag_bytes // 4
-        self.max_record = 2 + num_ranks + _MAX_RECORD_EXTRA
-        self.staging_offset = _round_up(flag_bytes + num_ranks * self.max_record * 4, _ALIGN)
-        if nvl_buffer.numel() <= self.staging_offset:
+        R = topology.num_ranks
+        self.notify_word, self.tail_word = 0, R
+        self.head_word, self.sent_word, self.recvd_word = R + R * CMAX, R + 2 * R * CMAX, R + 3 * R * CMAX
+        self.record_word = _ctrl_bytes(R) // 4
+        self.ring_word = header_bytes(R) // 4
+        self.total_words = nvl_buffer.numel() // 4
+        if self.total_words <= self.ring_word:
             raise ValueError(f"num_nvl_bytes={nvl_buffer.numel()} is too small for the NVLink transport: need more "
-                             f"than {self.staging_offset} bytes")
-        nvl_buffer[:self.staging_offset].zero_()
+                             f"than {self.ring_word * 4} bytes")
+        nvl_buffer[:self.ring_word * 4].zero_()
         torch.cuda.synchronize(device)
         self.peers = PeerBuffers(nvl_buffer, group)
-        self.own_base = nvl_buffer.data_ptr()
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.status = torch.zeros(4, dtype=torch.int32).pin_memory()
+        self.layout_bad = torch.zeros(2, dtype=torch.int64, device=device)
         self.timeout_ns = int(timeout_s * 1e9)
-        self.staging_bytes = nvl_buffer.numel() - self.staging_offset
-        self._row_bounds: Dict[int, int] = {}   # id(handle[3]) -> bound on the rows of any (source, destination)
+        self._channels: Optional[int] = None
+        self._plans: Dict[int, _Plan] = {}   # id(handle[3]) -> plan, forgotten with the handle
         group.barrier("NVLink transport set-up")
 
     # ---- bookkeeping -------------------------------------------------------------------------------
@@ -69,192 +97,230 @@ class NVLinkTransport(Transport):
                                    f"{peer} to send {STATUS_WHAT.get(code, 'a signal')}; this Buffer cannot be used "
                                    "any more")
 
-    def _remember_bound(self, rows: torch.Tensor, bound: int) -> None:
-        """A handle's rows per (source, destination) are at most `bound`; forgotten with the handle."""
-        key = id(rows)
-        self._row_bounds[key] = bound
-        weakref.finalize(rows, self._row_bounds.pop, key, None)
-
-    def _capacity(self, slot_bytes: int) -> int:
-        return self.staging_bytes // (self.topology.num_ranks * slot_bytes)
-
-    def _next_epoch(self) -> None:
+    def _begin(self, num_channels: int) -> None:
+        """Every operation: report an earlier timeout; if the channel count changed, the rings move, so let
+        every rank finish what is in flight first (host wait and barrier; not inside a CUDA graph)."""
         self._check_status()
-        self.epoch.add_(1)
+        if num_channels > CMAX:
+            raise ValueError(f"config.num_sms must be <= {2 * CMAX} for the NVLink transport, got {2 * num_channels}")
+        if self._channels != num_channels:
+            if self._channels is not None:
+                torch.cuda.synchronize(self.device)
+                self._check_status()
+                self.group.barrier("NVLink transport channel change")
+            self._channels = num_channels
 
-    @staticmethod
-    def _dispatch_slot(hidden_words: int, scale_words: int, topk: int):
-        x_offset = _round_up(3 * topk + 1, 4)
-        return x_offset, _round_up(x_offset + hidden_words + scale_words, 4)
+    def _rings(self, slot_words: int, num_channels: int, what: str):
+        """(words per ring, slots per ring, tokens per flow-control step) for slots of `slot_words`."""
+        R = self.topology.num_ranks
+        ring_words = (self.total_words - self.ring_word) // (R * num_channels) // 4 * 4
+        slots = ring_words // slot_words
+        if slots < 1:
+            need = self.ring_word * 4 + R * num_channels * slot_words * 4
+            raise ValueError(f"{what}: num_nvl_bytes={self.total_words * 4} is too small for the NVLink transport "
+                             f"with {num_channels} channels and rows of {slot_words * 4} bytes: need at least {need}")
+        return ring_words, slots, min(BATCH, slots)
 
-    @staticmethod
-    def _combine_slot(hidden: int, topk: int):
-        x_offset = _round_up(topk, 4)
-        return x_offset, _round_up(x_offset + hidden // 2, 4)
+    def _remember(self, rows: torch.Tensor, plan: _Plan) -> None:
+        key = id(rows)
+        self._plans[key] = plan
+        weakref.finalize(rows, self._plans.pop, key, None)
 
-    def _programs(self, num_channels: int) -> int:
-        return 2 * num_channels
+    def _plan(self, handle) -> _Plan:
+        """The plan of a handle: kept from its dispatch, else rebuilt from the handle's tensors."""
+        plan = self._plans.get(id(handle[3]))
+        if plan is not None:
+            return plan
+        rank_prefix_matrix, channel_prefix, recv_channel_prefix, recv_src, in_rank, _ = handle
+        R, C = self.topology.num_ranks, channel_prefix.shape[1]
+        prefix = torch.zeros(R + 1, dtype=torch.int32, device=self.device)
+        prefix[1:] = rank_prefix_matrix[:, self.topology.rank]
+        per_source = prefix[1:] - prefix[:-1]
+        ends = torch.cat([recv_channel_prefix[:, 1:], per_source.view(R, 1)], dim=1)
+        plan = _Plan(_before(in_rank), (ends - recv_channel_prefix).to(torch.int32),
+                     (prefix[:R].view(R, 1) + recv_channel_prefix).to(torch.int32), prefix, C)
+        self._remember(handle[3], plan)
+        return plan
 
-    # ---- layout: local torch ops -----------------------------------------------------------------------
+    # ---- layout ----------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
-        return self.reference.get_dispatch_layout(topk_idx, num_experts)
+        from .layout import layout_kernel
+        R = self.topology.num_ranks
+        num_tokens, topk = topk_idx.shape
+        counts = torch.zeros(R + num_experts, dtype=torch.int32, device=self.device)
+        in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=self.device)
+        block_t = 64
+        programs = max(1, min(triton_cdiv(num_tokens, block_t), LAYOUT_PROGRAMS))
+        layout_kernel[(programs,)](topk_idx, counts, counts[R:], in_rank.view(torch.int8), self.layout_bad,
+                                   num_tokens, num_experts, num_experts // R, K=topk, R=R, BLOCK_T=block_t,
+                                   BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R), num_warps=4)
+        return counts[:R], None, counts[R:], in_rank
 
     # ---- dispatch ------------------------------------------------------------------------------------------
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels):
         from .notify import notify_kernel
         topo, dev = self.topology, self.device
-        num_ranks, num_experts = topo.num_ranks, num_tokens_per_expert.numel()
-        experts_per_rank = num_experts // num_ranks
-        num_tokens = x.shape[0]
-        self._next_epoch()
-        channel_counts = _channel_counts(is_token_in_rank, num_channels)
-        record = torch.cat([
-            torch.full((num_ranks, 1), num_tokens, dtype=torch.int32, device=dev),
-            num_tokens_per_rank.view(num_ranks, 1),
-            num_tokens_per_rank.view(1, num_ranks).expand(num_ranks, num_ranks),
-            num_tokens_per_expert.view(num_ranks, experts_per_rank),
-            channel_counts.to(torch.int32)], dim=1).contiguous()
+        R, C = topo.num_ranks, num_channels
+        num_experts = num_tokens_per_expert.numel()
+        experts_per_rank = num_experts // R
+        self._begin(C)
+        geometry = self._dispatch_geometry(x, x_scales, topk_idx, C)
+        before = _before(is_token_in_rank)
+        channel_counts = _channel_counts(before, C)                         # [R, C]
+        signature = _signature("dispatch", x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1],
+                               0 if topk_idx is None else topk_idx.shape[1], topk_weights is not None, C, num_experts)
+        checks = None if num_worst_tokens else self._value_checks(topk_idx, num_experts, before[-1],
+                                                                   num_tokens_per_rank)
+        check_flags = torch.zeros(1, dtype=torch.int32, device=dev) if checks is None else checks[:1].to(torch.int32)
+        record = torch.cat([before[-1].view(1, R).expand(R, R),
+                            num_tokens_per_expert.view(R, experts_per_rank),
+                            channel_counts,
+                            torch.full((R, 1), signature, dtype=torch.int32, device=dev),
+                            check_flags.view(1, 1).expand(R, 1)], dim=1).contiguous()
         record_len = record.shape[1]
         received = torch.empty_like(record)
-        notify_kernel[(num_ranks,)](record, received, self.peers.bases, self.notify_flag_word, self.notify_word,
-                                    self.epoch, self.status, topo.rank, self.timeout_ns, REC=record_len,
-                                    BLOCK=_next_pow2(record_len))
-        largest_source = received[:, 0].max()
-        recv_per_source = received[:, 1]
-        sent_matrix = received[:, 2:2 + num_ranks]                        # [source, destination]
-        per_expert = received[:, 2 + num_ranks:2 + num_ranks + experts_per_rank].sum(0)
-        recv_channel_counts = received[:, 2 + num_ranks + experts_per_rank:]
+        self.epoch.add_(1)
+        notify_kernel[(R,)](record, received, self.peers.bases, self.notify_word, self.record_word, self.epoch,
+                            self.status, topo.rank, self.timeout_ns, R=R, REC=record_len, BLOCK=_next_pow2(record_len))
+        sent_matrix = received[:, :R]                                       # [source, destination]
+        recv_per_expert = received[:, R:R + experts_per_rank].sum(0)
+        recv_chan = received[:, R + experts_per_rank:R + experts_per_rank + C]
+        prefix = torch.zeros(R + 1, dtype=torch.int32, device=dev)
+        prefix[1:] = torch.cumsum(sent_matrix[:, topo.rank], 0)
+        recv_channel_prefix = _exclusive_cumsum(recv_chan, dim=1).to(torch.int32)
+        plan = _Plan(before, recv_chan.contiguous(), (prefix[:R].view(R, 1) + recv_channel_prefix).to(torch.int32),
+                     prefix, C)
         if num_worst_tokens:
-            bound, aligned_list, num_rows = num_worst_tokens, [], num_worst_tokens
+            num_rows, aligned_list = num_worst_tokens, []
         else:
-            host = torch.cat([largest_source.view(1), recv_per_source.sum().view(1), per_expert]).cpu()
-            self._check_status()
-            bound, num_recv = int(host[0]), int(host[1])
-            aligned = (host[2:] + expert_alignment - 1) // expert_alignment * expert_alignment
-            aligned_list, num_rows = aligned.tolist(), num_recv
-        hidden_words = x.shape[1] * x.element_size() // 4
-        scale_words = 0 if x_scales is None else x_scales.shape[1]
-        topk = 0 if topk_idx is None else topk_idx.shape[1]
-        x_offset, slot_words = self._dispatch_slot(hidden_words, scale_words, topk)
-        capacity = self._capacity(slot_words * 4)
-        if bound > capacity:
-            # Every rank takes this branch (bound and capacity are the same everywhere). The notify of this
-            # epoch has been read, so close the epoch for the next operation's CONSUMED wait.
-            from .sync import signal_peers_kernel
-            signal_peers_kernel[(num_ranks,)](self.peers.bases, self.consumed_flag_word, self.epoch, topo.rank)
-            return self.reference.dispatch(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                                           num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels)
-        send_head = _positions(is_token_in_rank)
-        prefix = torch.zeros(num_ranks + 1, dtype=torch.int32, device=dev)
-        prefix[1:] = torch.cumsum(recv_per_source, 0)
-        out = self._move(x, x_scales, topk_idx, topk_weights, is_token_in_rank, send_head, prefix, num_rows,
-                         experts_per_rank, num_channels)
+            aligned_list, num_rows = self._wait_counts(prefix[R], recv_per_expert, received[:, -2:], signature,
+                                                       checks, expert_alignment, num_experts)
+        out = self._run_dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank, plan, num_rows,
+                                 topo.rank * experts_per_rank, experts_per_rank, geometry)
         rank_prefix_matrix = torch.cumsum(sent_matrix, dim=0).to(torch.int32)
         channel_prefix = torch.cumsum(channel_counts, dim=1).to(torch.int32)
-        recv_channel_prefix = _exclusive_cumsum(recv_channel_counts, dim=1).to(torch.int32)
+        send_head = torch.where(is_token_in_rank, before[:-1], -1)
         out.handle = (rank_prefix_matrix, channel_prefix, recv_channel_prefix, out.handle, is_token_in_rank, send_head)
         out.num_recv_tokens_per_expert_list = aligned_list
-        self._remember_bound(out.handle[3], bound)
+        self._remember(out.handle[3], plan)
         return out
 
+    def _value_checks(self, topk_idx, num_experts, column_sums, num_tokens_per_rank) -> torch.Tensor:
+        """int64 [5] on the device: (bits: 1 = an expert id of the last layouts out of range, 2 = one of
+        topk_idx, 4 = num_tokens_per_rank is not the column sums of is_token_in_rank; then the smallest and
+        largest id of topk_idx and an offending id of the layouts)."""
+        low_high = torch.zeros(2, dtype=torch.int64, device=self.device)
+        if topk_idx is not None and topk_idx.numel():
+            low_high = torch.stack(topk_idx.aminmax())
+        flags = ((self.layout_bad[0] > 0).to(torch.int64) + 2 * ((low_high[0] < -1) | (low_high[1] >= num_experts))
+                 + 4 * (column_sums != num_tokens_per_rank).any())
+        return torch.cat([flags.view(1), low_high, self.layout_bad[1:]])
+
+    def _wait_counts(self, num_recv, recv_per_expert, signatures_and_checks, signature, checks, expert_alignment,
+                     num_experts):
+        """The API's host wait for the received counts; with it, every rank learns whether all ranks called
+        with the same shapes and valid values, and if not, all of them raise before any row moves."""
+        host = torch.cat([num_recv.view(1).to(torch.int64), recv_per_expert.to(torch.int64),
+                          signatures_and_checks.t().reshape(-1).to(torch.int64), checks]).cpu().tolist()
+        self._check_status()
+        R, E_loc, rank = self.topology.num_ranks, recv_per_expert.numel(), self.topology.rank
+        num_recv, per_expert = host[0], host[1:1 + E_loc]
+        signatures, flags = host[1 + E_loc:1 + E_loc + R], host[1 + E_loc + R:1 + E_loc + 2 * R]
+        own_flags, low, high, layout_value = host[1 + E_loc + 2 * R:]
+        others = [r for r, s in enumerate(signatures) if s != signature]
+        if others:
+            raise ValueError(f"dispatch: rank(s) {others} called dispatch with a different hidden size, dtype, scales, "
+                             f"top-k, num_experts or config than rank {rank}; every rank must pass the same shapes")
+        if own_flags & 1:
+            self.layout_bad.zero_()
+            raise ValueError(f"topk_idx of get_dispatch_layout: entries must be -1 or in [0, {num_experts}), found "
+                             f"{layout_value} (the NVLink transport checks expert ids on the GPU and reports them "
+                             "at the next dispatch)")
+        if own_flags & 2:
+            raise ValueError(f"topk_idx entries must be -1 or in [0, {num_experts}), found {low if low < -1 else high}")
+        if own_flags & 4:
+            raise ValueError("num_tokens_per_rank must equal the column sums of is_token_in_rank "
+                             "(pass the outputs of one get_dispatch_layout call)")
+        failed = [r for r, f in enumerate(flags) if f]
+        if failed:
+            raise ValueError(f"dispatch: rank(s) {failed} passed invalid inputs (see the errors there); no rank "
+                             "sent anything")
+        aligned = [(n + expert_alignment - 1) // expert_alignment * expert_alignment for n in per_expert]
+        return aligned, num_recv
+
     def cached_dispatch(self, x, x_scales, handle, num_channels):
-        bound = self._row_bounds.get(id(handle[3]))
-        hidden_words = x.shape[1] * x.element_size() // 4
-        scale_words = 0 if x_scales is None else x_scales.shape[1]
-        _, slot_words = self._dispatch_slot(hidden_words, scale_words, 0)
-        if bound is None or bound > self._capacity(slot_words * 4):
-            return self.reference.cached_dispatch(x, x_scales, handle, num_channels)
-        self._next_epoch()
-        prefix = self._prefix_from_handle(handle)
-        out = self._move(x, x_scales, None, None, handle[4], handle[5], prefix, handle[3].shape[0], 0, num_channels)
+        plan = self._plan(handle)
+        self._begin(plan.num_channels)
+        geometry = self._dispatch_geometry(x, x_scales, None, plan.num_channels)
+        out = self._run_dispatch(x, x_scales, None, None, handle[4], plan, handle[3].shape[0], 0, 0, geometry)
         out.handle = None
         return out
 
-    def _move(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, send_head, prefix, num_rows,
-              experts_per_rank, num_channels) -> DispatchOutput:
-        """Send kernel, DATA signal, receive kernel, CONSUMED signal; returns the outputs (handle slot =
-        the received source indices)."""
-        from .dispatch import dispatch_recv_kernel, dispatch_send_kernel
-        from .sync import signal_peers_kernel
-        topo, dev = self.topology, self.device
-        num_ranks = topo.num_ranks
-        words = x.view(torch.uint8).view(torch.int32) if x.numel() else torch.empty((0,), dtype=torch.int32, device=dev)
+    def _dispatch_geometry(self, x, x_scales, topk_idx, num_channels):
         hidden_words = x.shape[1] * x.element_size() // 4
-        scales = None if x_scales is None else x_scales.contiguous()
-        scale_words = 0 if scales is None else scales.shape[1]
+        scale_words = 0 if x_scales is None else x_scales.shape[1]
         topk = 0 if topk_idx is None else topk_idx.shape[1]
-        x_offset, slot_words = self._dispatch_slot(hidden_words, scale_words, topk)
-        capacity = self._capacity(slot_words * 4)
+        id_offset = _round_up(hidden_words + scale_words, 2)
+        slot_words = _round_up(id_offset + 3 * topk + 1, 4)
+        return (hidden_words, scale_words, topk, id_offset, slot_words,
+                *self._rings(slot_words, num_channels, "dispatch"))
+
+    def _run_dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, plan: _Plan, num_rows,
+                      expert_begin, experts_per_rank, geometry) -> DispatchOutput:
+        from .dispatch import dispatch_kernel
+        topo, dev = self.topology, self.device
+        R, C = topo.num_ranks, plan.num_channels
+        hidden_words, scale_words, topk, id_offset, slot_words, ring_words, ring_slots, batch = geometry
+        words = x.view(torch.uint8).view(-1).view(torch.int32) if x.numel() else _dummy(dev)
+        scales = None if x_scales is None else x_scales.contiguous()
         recv_x = x.new_empty((num_rows, x.shape[1]))
         recv_scales = None if scales is None else scales.new_empty((num_rows, scale_words))
         recv_idx = None if topk_idx is None else torch.empty((num_rows, topk), dtype=topk_idx.dtype, device=dev)
         recv_weights = None if topk_weights is None else torch.empty((num_rows, topk), dtype=torch.float32, device=dev)
         recv_src = torch.empty(num_rows, dtype=torch.int32, device=dev)
         dummy = recv_src
-        programs = self._programs(num_channels)
-        blocks = dict(BLOCK_X=_next_pow2(max(hidden_words, 1)), BLOCK_S=_next_pow2(max(scale_words, 1)),
-                      BLOCK_K=_next_pow2(max(topk, 1)))
-        in_rank = is_token_in_rank.view(torch.int8)
-        consumed = self.peers.local.view(torch.int64)[self.consumed_flag_word:self.consumed_flag_word + num_ranks]
-        dispatch_send_kernel[(programs,)](
+        dispatch_kernel[(2 * C,)](
             words, dummy if scales is None else scales.view(torch.int32), dummy if topk_idx is None else topk_idx,
-            dummy if topk_weights is None else topk_weights, in_rank, send_head, self.peers.bases, consumed,
-            self.epoch, self.status, x.shape[0], topo.rank, self.staging_offset // 4, slot_words, capacity,
-            self.timeout_ns, R=num_ranks, XW=hidden_words, SW=scale_words, K=topk, X_OFF=x_offset, **blocks)
-        signal_peers_kernel[(num_ranks,)](self.peers.bases, self.data_flag_word, self.epoch, topo.rank)
-        dispatch_recv_kernel[(programs,)](
-            self.own_base, self.data_flag_word, prefix, recv_x.view(torch.uint8).view(torch.int32)
-            if recv_x.numel() else dummy, dummy if recv_scales is None else recv_scales.view(torch.int32),
-            dummy if recv_idx is None else recv_idx, dummy if recv_weights is None else recv_weights, recv_src,
-            num_rows, topo.rank * experts_per_rank, experts_per_rank, self.epoch, self.status,
-            self.staging_offset // 4, slot_words, capacity, self.timeout_ns, R=num_ranks, XW=hidden_words,
-            SW=scale_words, K=topk, X_OFF=x_offset, HAS_WEIGHTS=topk_weights is not None,
-            BLOCK_R=_next_pow2(num_ranks), **blocks)
-        signal_peers_kernel[(num_ranks,)](self.peers.bases, self.consumed_flag_word, self.epoch, topo.rank)
+            dummy if topk_weights is None else topk_weights, is_token_in_rank.view(torch.int8), plan.before,
+            plan.recv_count, plan.recv_base, plan.prefix,
+            recv_x.view(torch.uint8).view(-1).view(torch.int32) if recv_x.numel() else dummy,
+            dummy if recv_scales is None else recv_scales.view(torch.int32), dummy if recv_idx is None else recv_idx,
+            dummy if recv_weights is None else recv_weights, recv_src, self.peers.bases, self.status,
+            x.shape[0], num_rows, topo.rank, expert_begin, max(experts_per_rank, 1), self.tail_word, self.head_word,
+            self.sent_word, self.recvd_word, self.ring_word, ring_words, slot_words, ring_slots, batch,
+            self.timeout_ns, C=C, CMAX=CMAX, R=R, XW=hidden_words, SW=scale_words, K=topk,
+            HAS_W=topk_weights is not None, ID_OFF=id_offset, BLOCK_X=_next_pow2(max(hidden_words, 1)),
+            BLOCK_S=_next_pow2(max(scale_words, 1)), BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R),
+            num_warps=NUM_WARPS)
         return DispatchOutput(recv_x, recv_scales, recv_idx, recv_weights, None, recv_src)
-
-    def _prefix_from_handle(self, handle) -> torch.Tensor:
-        prefix = torch.zeros(self.topology.num_ranks + 1, dtype=torch.int32, device=self.device)
-        prefix[1:] = handle[0][:, self.topology.rank]
-        return prefix
 
     # ---- combine ---------------------------------------------------------------------------------------------
     def combine(self, x, handle, topk_weights, biases, num_channels):
-        from .combine import combine_reduce_kernel, combine_send_kernel
-        from .sync import signal_peers_kernel
+        from .combine import combine_kernel
         topo, dev = self.topology, self.device
-        num_ranks, hidden = topo.num_ranks, x.shape[1]
+        plan = self._plan(handle)
+        R, C, hidden = topo.num_ranks, plan.num_channels, x.shape[1]
+        self._begin(C)
         topk = 0 if topk_weights is None else topk_weights.shape[1]
-        x_offset, slot_words = self._combine_slot(hidden, topk)
-        capacity = self._capacity(slot_words * 4)
-        bound = self._row_bounds.get(id(handle[3]))
-        if bound is None or bound > capacity:
-            return self.reference.combine(x, handle, topk_weights, biases, num_channels)
-        self._next_epoch()
-        is_token_in_rank, send_head = handle[4], handle[5]
-        num_tokens = is_token_in_rank.shape[0]
-        prefix = self._prefix_from_handle(handle)
+        x_offset = _round_up(topk, 4)
+        slot_words = _round_up(x_offset + hidden // 2, 4)
+        ring_words, ring_slots, batch = self._rings(slot_words, C, "combine")
+        in_rank = handle[4]
+        num_tokens = in_rank.shape[0]
         combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
         combined_weights = None if topk_weights is None else torch.empty((num_tokens, topk), dtype=torch.float32,
                                                                          device=dev)
-        dummy = prefix
-        programs = self._programs(num_channels)
-        blocks = dict(BLOCK_H=_next_pow2(hidden), BLOCK_K=_next_pow2(max(topk, 1)))
-        consumed = self.peers.local.view(torch.int64)[self.consumed_flag_word:self.consumed_flag_word + num_ranks]
-        combine_send_kernel[(programs,)](
-            x, dummy if topk_weights is None else topk_weights, prefix, self.peers.bases, consumed, self.epoch,
-            self.status, topo.rank, self.staging_offset // 4, slot_words, capacity, self.timeout_ns, R=num_ranks,
-            H=hidden, K=topk, X_OFF=x_offset, BLOCK_R=_next_pow2(num_ranks), **blocks)
-        signal_peers_kernel[(num_ranks,)](self.peers.bases, self.data_flag_word, self.epoch, topo.rank)
+        dummy = plan.prefix
         bias0, bias1 = biases
-        combine_reduce_kernel[(programs,)](
-            self.own_base, self.data_flag_word, is_token_in_rank.view(torch.int8), send_head,
-            dummy if bias0 is None else bias0, dummy if bias1 is None else bias1, combined,
-            dummy if combined_weights is None else combined_weights, num_tokens, self.epoch, self.status,
-            self.staging_offset // 4, slot_words, capacity, self.timeout_ns, R=num_ranks, H=hidden, K=topk,
-            X_OFF=x_offset, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None, **blocks)
-        signal_peers_kernel[(num_ranks,)](self.peers.bases, self.consumed_flag_word, self.epoch, topo.rank)
+        combine_kernel[(2 * C,)](
+            x, dummy if topk_weights is None else topk_weights, in_rank.view(torch.int8), plan.before, plan.recv_count,
+            plan.recv_base, plan.prefix, dummy if bias0 is None else bias0, dummy if bias1 is None else bias1,
+            combined, dummy if combined_weights is None else combined_weights, self.peers.bases, self.status,
+            num_tokens, x.shape[0], topo.rank, self.tail_word, self.head_word, self.sent_word, self.recvd_word, self.ring_word,
+            ring_words, slot_words, ring_slots, batch, self.timeout_ns, C=C, CMAX=CMAX, R=R, H=hidden, K=topk,
+            X_OFF=x_offset, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None, BLOCK_H=_next_pow2(hidden),
+            BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R), num_warps=NUM_WARPS)
         return combined, combined_weights
 
     # ---- low latency: the reference transport for now ------------------------------------------------------
@@ -267,3 +333,37 @@ class NVLinkTransport(Transport):
     def destroy(self) -> None:
         torch.cuda.synchronize(self.device)
         self.peers.close()
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    return torch.empty((1,), dtype=torch.int32, device=device)
+
+
+def _before(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+    """[T + 1, R] int32: for each token t and rank d, how many tokens before t go to d."""
+    counts = torch.zeros((is_token_in_rank.shape[0] + 1, is_token_in_rank.shape[1]), dtype=torch.int32,
+                         device=is_token_in_rank.device)
+    torch.cumsum(is_token_in_rank, dim=0, dtype=torch.int32, out=counts[1:])
+    return counts
+
+
+def _channel_counts(before: torch.Tensor, num_channels: int) -> torch.Tensor:
+    """[R, C] int32 tokens per destination and channel (channel q = tokens [q * ceil(T/C), ...))."""
+    num_tokens = before.shape[0] - 1
+    per_channel = -(-num_tokens // num_channels) if num_tokens else 1
+    bounds = torch.arange(num_channels + 1, device=before.device) * per_channel
+    at = before[bounds.clamp_(max=num_tokens)]
+    return (at[1:] - at[:-1]).t().contiguous()
+
+
+def _signature(*fields) -> int:
+    """An int32 that differs when ranks call with different shapes (compared across ranks)."""
+    value = 0
+    for field in fields:
+        for byte in repr(field).encode():
+            value = (value * 131 + byte) % 2147483629
+    return value

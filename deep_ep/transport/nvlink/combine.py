@@ -1,89 +1,134 @@
-"""Normal combine over peer-mapped buffers (one round: every destination's rows fit the staging area).
+"""Normal combine over peer-mapped buffers: one kernel, C sender and C reducer programs, streaming back
+through the same rings and counters as the dispatch (see dispatch.py), in the other direction.
 
-Buffers: rank s's staging area has one region per destination rank d of `capacity` slots; a slot holds
-one returned row: [weights f32 x K | pad | payload bf16 x H].
-Protocol (epoch e):
-  send (rank d, every program): wait until each source s raised CONSUMED[s] in d's buffer to >= e - 1;
-    then for its share of received rows i (from source s, position p = i - prefix[s], which is the
-    position send_head[t, d] the token had in s's dispatch) store row i into s's slot (d, p); fence.
-  signal: DATA[d] is raised to e in every peer's buffer.
-  reduce (rank s, every program): wait until DATA[d] >= e for every d; for each of its tokens t,
-    out[t] = bf16(f32(bias0) + f32(bias1) + sum over d ascending with is_token_in_rank[t, d] of
-    f32(slot (d, send_head[t, d]))), the same order as the reference transport, so bitwise equal.
-  signal: CONSUMED[s] is raised to e in every peer's buffer.
+Slot of a returned row: [bf16 payload x H | weights f32 x K].
+Protocol (channel q; rank d returns to source s the rows it received from (s, q), in the same order):
+  sender q of rank d: wait until every source s took all rows of the previous operation out of the ring
+    (d, q) in s's buffer. Then, round-robin over the sources (starting after itself, so that all links are
+    busy), send up to `batch` rows to each s that has room (HEAD[s][q] in this rank's buffer), publish
+    TAIL[d][q] in s's buffer. A sender never blocks on one full ring while another has room.
+  reducer q of rank s: per batch of its tokens, wait until every destination's rows for the batch arrived
+    (TAIL), then out[t] = bf16(f32(bias0) + f32(bias1) + sum over d ascending with is_token_in_rank[t, d]
+    of f32(row from d)): the reference transport's order, so bitwise equal. Its own rows are read from the
+    combine input directly. Then publish HEAD[s][q] in every destination's buffer.
+A reducer waits for at most `batch` rows per ring (batch <= ring_slots) after freeing all earlier ones,
+and senders never block on one ring, so the exchange cannot deadlock.
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
-from .sync import WAIT_CONSUMED, WAIT_DATA, fence_sys, wait_all_peers
+from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, publish, report_timeout, wait_at_least
 
 
 @triton.jit
-def combine_send_kernel(x_ptr, weights_ptr, prefix_ptr, bases_ptr, consumed_ptr, epoch_ptr, status_ptr, rank,
-                        staging_word, slot_words, capacity, timeout_ns, R: tl.constexpr, H: tl.constexpr,
-                        K: tl.constexpr, X_OFF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_R: tl.constexpr):
+def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, recv_base_ptr, prefix_ptr, bias0_ptr,
+                   bias1_ptr, out_ptr, out_weights_ptr, bases_ptr, status_ptr, num_tokens, num_rows, rank, tail_word, head_word,
+                   sent_word, recvd_word, ring_word, ring_words, slot_words, ring_slots, batch, timeout_ns,
+                   C: tl.constexpr, CMAX: tl.constexpr, R: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                   X_OFF: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    epoch = tl.load(epoch_ptr)
-    ready = wait_all_peers(consumed_ptr, epoch - 1, timeout_ns, status_ptr, WAIT_CONSUMED, R)
     ro = tl.arange(0, BLOCK_R)
-    ends = tl.load(prefix_ptr + 1 + ro, mask=ro < R, other=2147483647)
-    num_recv = tl.load(prefix_ptr + R)
+    peers = (ro < R) & (ro != rank)
+    own = tl.load(bases_ptr + rank)
+    ctrl = own.to(tl.pointer_type(tl.int64))
+    peer_bases = tl.load(bases_ptr + ro, mask=ro < R, other=0)
     ho = tl.arange(0, BLOCK_H)
     ko = tl.arange(0, BLOCK_K)
-    if ready:
-        for i in range(pid, num_recv, num_programs):
-            source = tl.sum((ends <= i).to(tl.int32))
-            position = (i - tl.load(prefix_ptr + source)).to(tl.int64)
-            i64 = i.to(tl.int64)
-            slot = tl.load(bases_ptr + source) + (staging_word + (rank * capacity + position) * slot_words) * 4
-            slot = tl.multiple_of(slot, 16)
-            row = tl.load(x_ptr + i64 * H + ho, mask=ho < H)
-            targets = tl.max_contiguous(tl.multiple_of(slot.to(tl.pointer_type(tl.bfloat16)) + 2 * X_OFF + ho, [16]),
-                                        [BLOCK_H])
-            tl.store(targets, row, mask=ho < H)
-            if K > 0:
-                weights = tl.load(weights_ptr + i64 * K + ko, mask=ko < K)
-                tl.store(slot.to(tl.pointer_type(tl.float32)) + ko, weights, mask=ko < K)
-    fence_sys()
-
-
-@triton.jit
-def combine_reduce_kernel(own_base, data_flag_word, in_rank_ptr, send_head_ptr, bias0_ptr, bias1_ptr, out_ptr,
-                          out_weights_ptr, num_tokens, epoch_ptr, status_ptr, staging_word, slot_words, capacity,
-                          timeout_ns, R: tl.constexpr, H: tl.constexpr, K: tl.constexpr, X_OFF: tl.constexpr,
-                          HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, BLOCK_H: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    epoch = tl.load(epoch_ptr)
-    flags = own_base.to(tl.pointer_type(tl.int64)) + data_flag_word
-    ready = wait_all_peers(flags, epoch, timeout_ns, status_ptr, WAIT_DATA, R)
-    tl.debug_barrier()
-    ho = tl.arange(0, BLOCK_H)
-    ko = tl.arange(0, BLOCK_K)
-    if ready:
-        for t in range(pid, num_tokens, num_programs):
-            t64 = t.to(tl.int64)
-            total = tl.zeros([BLOCK_H], tl.float32)
-            if HAS_BIAS0:
-                total += tl.load(bias0_ptr + t64 * H + ho, mask=ho < H).to(tl.float32)
-            if HAS_BIAS1:
-                total += tl.load(bias1_ptr + t64 * H + ho, mask=ho < H).to(tl.float32)
-            weight_total = tl.zeros([BLOCK_K], tl.float32)
-            for d in tl.static_range(R):
-                if tl.load(in_rank_ptr + t64 * R + d) != 0:
-                    position = tl.load(send_head_ptr + t64 * R + d).to(tl.int64)
-                    slot = own_base + (staging_word + (d * capacity + position) * slot_words) * 4
-                    slot = tl.multiple_of(slot, 16)
-                    sources = tl.max_contiguous(
-                        tl.multiple_of(slot.to(tl.pointer_type(tl.bfloat16)) + 2 * X_OFF + ho, [16]), [BLOCK_H])
-                    row = tl.load(sources, mask=ho < H, cache_modifier=".cg")
-                    total += row.to(tl.float32)
+    if pid < C:
+        # ---- sender of channel q --------------------------------------------------------------------------
+        q = pid
+        count = tl.load(recv_count_ptr + ro * C + q, mask=peers, other=0).to(tl.int64)
+        row_base = tl.load(recv_base_ptr + ro * C + q, mask=peers, other=0).to(tl.int64)
+        sent0 = tl.load(ctrl + sent_word + ro * CMAX + q, mask=peers, other=0)
+        head_ptrs = ctrl + head_word + ro * CMAX + q
+        tail_ptrs = (peer_bases + (tail_word + rank * CMAX + q) * 8).to(tl.pointer_type(tl.int64))
+        _, ok = wait_at_least(head_ptrs, sent0, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
+        sent = tl.zeros([BLOCK_R], tl.int64)
+        remaining = tl.sum(count)
+        failed = ok == 0
+        start = globaltimer()
+        while (remaining > 0) & (failed == 0):
+            open_ = peers & (sent < count)
+            heads = tl.atomic_add(head_ptrs, 0, mask=open_, sem="acquire", scope="sys")
+            room = ring_slots - (sent0 + sent - heads)
+            step = tl.where(open_, tl.minimum(tl.minimum(room, count - sent), batch), 0)
+            if tl.sum(step) > 0:
+                for k in tl.static_range(R - 1):
+                    s = (rank + 1 + k) % R
+                    n = tl.sum(tl.where(ro == s, step, 0))
+                    first = tl.sum(tl.where(ro == s, sent0 + sent, 0))
+                    row0 = tl.sum(tl.where(ro == s, row_base + sent, 0))
+                    ring = tl.load(bases_ptr + s) + 4 * (ring_word + (rank * C + q) * ring_words)
+                    for i in range(n):
+                        slot = tl.multiple_of(ring + 4 * ((first + i) % ring_slots) * slot_words, 16)
+                        in_x = row0 + i < num_rows   # num_worst_tokens: rows past x were dropped
+                        row = tl.load(x_ptr + (row0 + i) * H + ho, mask=(ho < H) & in_x, other=0.0)
+                        targets = tl.max_contiguous(
+                            tl.multiple_of(slot.to(tl.pointer_type(tl.bfloat16)) + 2 * X_OFF + ho, [16]), [BLOCK_H])
+                        tl.store(targets, row, mask=ho < H)
+                        if K > 0:
+                            weights = tl.load(weights_ptr + (row0 + i) * K + ko, mask=(ko < K) & in_x, other=0.0)
+                            tl.store(slot.to(tl.pointer_type(tl.float32)) + ko, weights, mask=ko < K)
+                sent += step
+                publish(tail_ptrs, sent0 + sent, peers)
+                remaining = tl.sum(count - sent)
+                start = globaltimer()
+            elif globaltimer() - start > timeout_ns:
+                report_timeout(status_ptr, WAIT_SPACE, tl.min(tl.where(open_, ro, NO_PEER)))
+                failed = remaining > 0
+        tl.store(ctrl + sent_word + ro * CMAX + q, sent0 + count, mask=peers)
+    else:
+        # ---- reducer of channel q ---------------------------------------------------------------------------
+        q = pid - C
+        per_channel = tl.cdiv(num_tokens, C)
+        t0 = tl.minimum(q * per_channel, num_tokens)
+        t1 = tl.minimum(t0 + per_channel, num_tokens)
+        recvd0 = tl.load(ctrl + recvd_word + ro * CMAX + q, mask=peers, other=0)
+        base = recvd0 - tl.load(before_ptr + t0 * R + ro, mask=ro < R, other=0).to(tl.int64)
+        tail_ptrs = ctrl + tail_word + ro * CMAX + q
+        head_ptrs = (peer_bases + (head_word + rank * CMAX + q) * 8).to(tl.pointer_type(tl.int64))
+        self_row0 = tl.load(prefix_ptr + rank).to(tl.int64)
+        ok = t0 >= 0
+        for tb in range(t0, t1, batch):
+            te = tl.minimum(tb + batch, t1)
+            upto = base + tl.load(before_ptr + te * R + ro, mask=ro < R, other=0).to(tl.int64)
+            if ok:
+                _, ok = wait_at_least(tail_ptrs, upto, peers, ro, timeout_ns, status_ptr, WAIT_ROWS)
+            if ok:
+                for t in range(tb, te):
+                    t64 = t.to(tl.int64)
+                    total = tl.zeros([BLOCK_H], tl.float32)
+                    if HAS_BIAS0:
+                        total += tl.load(bias0_ptr + t64 * H + ho, mask=ho < H).to(tl.float32)
+                    if HAS_BIAS1:
+                        total += tl.load(bias1_ptr + t64 * H + ho, mask=ho < H).to(tl.float32)
+                    weight_total = tl.zeros([BLOCK_K], tl.float32)
+                    for d in tl.static_range(R):
+                        if tl.load(in_rank_ptr + t64 * R + d) != 0:
+                            position = tl.load(before_ptr + t64 * R + d).to(tl.int64)
+                            if d == rank:
+                                row = tl.load(x_ptr + (self_row0 + position) * H + ho, mask=ho < H)
+                                total += row.to(tl.float32)
+                                if K > 0:
+                                    weight_total += tl.load(weights_ptr + (self_row0 + position) * K + ko,
+                                                            mask=ko < K)
+                            else:
+                                index = (tl.load(ctrl + recvd_word + d * CMAX + q)
+                                         - tl.load(before_ptr + t0 * R + d) + position)
+                                slot = tl.multiple_of(own + 4 * (ring_word + (d * C + q) * ring_words
+                                                                 + (index % ring_slots) * slot_words), 16)
+                                sources = tl.max_contiguous(
+                                    tl.multiple_of(slot.to(tl.pointer_type(tl.bfloat16)) + 2 * X_OFF + ho, [16]),
+                                    [BLOCK_H])
+                                total += tl.load(sources, mask=ho < H, cache_modifier=".cg").to(tl.float32)
+                                if K > 0:
+                                    weight_total += tl.load(slot.to(tl.pointer_type(tl.float32)) + ko, mask=ko < K,
+                                                            cache_modifier=".cg")
+                    tl.store(out_ptr + t64 * H + ho, total.to(tl.bfloat16), mask=ho < H)
                     if K > 0:
-                        weight_total += tl.load(slot.to(tl.pointer_type(tl.float32)) + ko, mask=ko < K,
-                                                cache_modifier=".cg")
-            tl.store(out_ptr + t64 * H + ho, total.to(tl.bfloat16), mask=ho < H)
-            if K > 0:
-                tl.store(out_weights_ptr + t64 * K + ko, weight_total, mask=ko < K)
+                        tl.store(out_weights_ptr + t64 * K + ko, weight_total, mask=ko < K)
+                publish(head_ptrs, upto, peers)
+        done = base + tl.load(before_ptr + t1 * R + ro, mask=ro < R, other=0).to(tl.int64)
+        tl.store(ctrl + recvd_word + ro * CMAX + q, done, mask=peers)

@@ -1,108 +1,184 @@
-"""Normal dispatch over peer-mapped buffers (one round: every source's rows fit its staging area).
+"""Normal dispatch over peer-mapped buffers: one kernel, C sender and C receiver programs, streaming
+through a ring per (source rank, channel) in every destination's buffer, so any buffer size works.
 
-Buffers: rank d's staging area has one region per source s of `capacity` slots; a slot holds one token:
-[top-k ids int64 x K | weights f32 x K | source token int32 | pad | payload words | scale words].
-Protocol (epoch e):
-  send (rank s, every program): wait until each peer d raised CONSUMED[d] in s's buffer to >= e - 1 (d
-    has read what s sent it in the previous operation); then for its share of tokens t and every d with
-    is_token_in_rank[t, d], store the token into d's slot (s, send_head[t, d]) with plain stores; fence.
-  signal: then DATA[s] is raised to e in every peer's buffer (sync.signal_peers_kernel).
-  receive (rank d, every program): wait until DATA[s] >= e for every source s, then copy its share of
-    the received rows, row i = slot (s, i - prefix[s]), into the outputs (local ids, masked weights).
-  signal: then CONSUMED[d] is raised to e in every peer's buffer.
+Buffers (per rank): counters TAIL[src][ch] (rows the source has put into its ring here), HEAD[dst][ch]
+(rows the destination has taken out of this rank's ring there), and this rank's own SENT[dst][ch] and
+RECVD[src][ch] at the end of the last operation; rings of `ring_slots` slots, one per (source, channel).
+A slot holds one token: [payload words | scale words | pad | top-k ids int64 | weights f32 | source token].
+All counters only grow (they count rows since the Buffer was made), so nothing is ever reset.
+
+Protocol (channel q = tokens [q * ceil(T/C), ...)):
+  sender q of rank s: wait until every destination d took all rows of the previous operation out of the
+    ring (s, q) (HEAD[d][q] >= SENT[d][q]; a ring may change its slot size between operations). Then per
+    batch of tokens: wait until HEAD[d][q] leaves room for the batch's rows, store each token into every
+    peer d that receives it, at slot (row counter mod ring_slots) of ring (s, q) in d's buffer (its own
+    rows go straight to this rank's outputs), and publish TAIL[s][q] in every peer (release, after a
+    system fence).
+  receiver q of rank d: poll TAIL[s][q] of every source, copy the rows that arrived into the outputs
+    (row = first row of (s, q) in the outputs + index), and publish HEAD[d][q] in the source's buffer.
+    Sources are served round-robin, so a receiver never waits on one source while another has rows.
+Rows of (s, q) land in the outputs in token order after the rows of (s, q - 1): the reference order.
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
-from .sync import WAIT_CONSUMED, WAIT_DATA, fence_sys, wait_all_peers
-
-
-@triton.jit
-def dispatch_send_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, send_head_ptr, bases_ptr,
-                         consumed_ptr, epoch_ptr, status_ptr, num_tokens, rank, staging_word, slot_words, capacity,
-                         timeout_ns, R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, K: tl.constexpr,
-                         X_OFF: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    epoch = tl.load(epoch_ptr)
-    ready = wait_all_peers(consumed_ptr, epoch - 1, timeout_ns, status_ptr, WAIT_CONSUMED, R)
-    if ready:
-        per_program = tl.cdiv(num_tokens, num_programs)
-        first = pid * per_program
-        last = tl.minimum(first + per_program, num_tokens)
-        xo = tl.arange(0, BLOCK_X)
-        so = tl.arange(0, BLOCK_S)
-        ko = tl.arange(0, BLOCK_K)
-        for t in range(first, last):
-            t64 = t.to(tl.int64)
-            x = tl.load(x_ptr + t64 * XW + xo, mask=xo < XW)
-            if SW > 0:
-                scales = tl.load(scales_ptr + t64 * SW + so, mask=so < SW)
-            if K > 0:
-                ids = tl.load(idx_ptr + t64 * K + ko, mask=ko < K)
-                weights = tl.load(weights_ptr + t64 * K + ko, mask=ko < K)
-            for d in tl.static_range(R):
-                position = tl.load(send_head_ptr + t64 * R + d).to(tl.int64)
-                if (tl.load(in_rank_ptr + t64 * R + d) != 0) & (position < capacity):
-                    slot = tl.load(bases_ptr + d) + (staging_word + (rank * capacity + position) * slot_words) * 4
-                    slot = tl.multiple_of(slot, 16)
-                    words = slot.to(tl.pointer_type(tl.int32))
-                    targets = tl.max_contiguous(tl.multiple_of(words + X_OFF + xo, [16]), [BLOCK_X])
-                    tl.store(targets, x, mask=xo < XW)
-                    if SW > 0:
-                        tl.store(words + X_OFF + XW + so, scales, mask=so < SW)
-                    if K > 0:
-                        tl.store(slot.to(tl.pointer_type(tl.int64)) + ko, ids, mask=ko < K)
-                        tl.store((slot + 8 * K).to(tl.pointer_type(tl.float32)) + ko, weights, mask=ko < K)
-                    tl.store(words + 3 * K, t)
-    fence_sys()
+from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, publish, report_timeout, wait_at_least
 
 
 @triton.jit
-def dispatch_recv_kernel(own_base, data_flag_word, prefix_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr,
-                         out_weights_ptr, out_src_ptr, num_rows, expert_begin, experts_per_rank, epoch_ptr, status_ptr,
-                         staging_word, slot_words, capacity, timeout_ns, R: tl.constexpr, XW: tl.constexpr,
-                         SW: tl.constexpr, K: tl.constexpr, X_OFF: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                         BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+def _store_outputs(row, x, scales, ids, weights, token, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr,
+                   out_src_ptr, expert_begin, experts_per_rank, xo, so, ko, XW: tl.constexpr, SW: tl.constexpr,
+                   K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr):
+    """One received row into the outputs: ids of other ranks' experts become -1, their weights 0."""
+    row64 = row.to(tl.int64)
+    targets = tl.max_contiguous(tl.multiple_of(out_x_ptr + row64 * XW + xo, [16]), [BLOCK_X])
+    tl.store(targets, x, mask=xo < XW)
+    if SW > 0:
+        tl.store(out_scales_ptr + row64 * SW + so, scales, mask=so < SW)
+    if K > 0:
+        local = (ids >= expert_begin) & (ids < expert_begin + experts_per_rank)
+        tl.store(out_idx_ptr + row64 * K + ko, tl.where(local, ids - expert_begin, -1), mask=ko < K)
+        if HAS_W:
+            tl.store(out_weights_ptr + row64 * K + ko, tl.where(local, weights, 0.0), mask=ko < K)
+    tl.store(out_src_ptr + row64, token)
+
+
+@triton.jit
+def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, recv_base_ptr,
+                    prefix_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, bases_ptr,
+                    status_ptr, num_tokens, num_rows, rank, expert_begin, experts_per_rank, tail_word, head_word,
+                    sent_word, recvd_word, ring_word, ring_words, slot_words, ring_slots, batch, timeout_ns,
+                    C: tl.constexpr, CMAX: tl.constexpr, R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
+                    K: tl.constexpr, HAS_W: tl.constexpr, ID_OFF: tl.constexpr, BLOCK_X: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    epoch = tl.load(epoch_ptr)
-    flags = own_base.to(tl.pointer_type(tl.int64)) + data_flag_word
-    ready = wait_all_peers(flags, epoch, timeout_ns, status_ptr, WAIT_DATA, R)
-    tl.debug_barrier()
     ro = tl.arange(0, BLOCK_R)
-    ends = tl.load(prefix_ptr + 1 + ro, mask=ro < R, other=2147483647)
-    num_recv = tl.minimum(tl.load(prefix_ptr + R), num_rows)  # never past the outputs (num_worst_tokens)
+    peers = (ro < R) & (ro != rank)
+    own = tl.load(bases_ptr + rank)
+    ctrl = own.to(tl.pointer_type(tl.int64))
+    peer_bases = tl.load(bases_ptr + ro, mask=ro < R, other=0)
     xo = tl.arange(0, BLOCK_X)
     so = tl.arange(0, BLOCK_S)
     ko = tl.arange(0, BLOCK_K)
-    if ready:
-        for i in range(pid, num_recv, num_programs):
-            source = tl.sum((ends <= i).to(tl.int32))
-            position = (i - tl.load(prefix_ptr + source)).to(tl.int64)
-            slot = own_base + (staging_word + (source * capacity + position) * slot_words) * 4
-            slot = tl.multiple_of(slot, 16)
-            words = slot.to(tl.pointer_type(tl.int32))
-            i64 = i.to(tl.int64)
-            sources = tl.max_contiguous(tl.multiple_of(words + X_OFF + xo, [16]), [BLOCK_X])
-            x = tl.load(sources, mask=xo < XW, cache_modifier=".cg")
-            tl.store(out_x_ptr + i64 * XW + xo, x, mask=xo < XW)
-            if SW > 0:
-                scales = tl.load(words + X_OFF + XW + so, mask=so < SW, cache_modifier=".cg")
-                tl.store(out_scales_ptr + i64 * SW + so, scales, mask=so < SW)
+    W_OFF: tl.constexpr = ID_OFF + 2 * K
+    SRC_OFF: tl.constexpr = W_OFF + K
+    if pid < C:
+        # ---- sender of channel q ----------------------------------------------------------------------------
+        q = pid
+        per_channel = tl.cdiv(num_tokens, C)
+        t0 = tl.minimum(q * per_channel, num_tokens)
+        t1 = tl.minimum(t0 + per_channel, num_tokens)
+        sent0 = tl.load(ctrl + sent_word + ro * CMAX + q, mask=peers, other=0)
+        base = sent0 - tl.load(before_ptr + t0 * R + ro, mask=ro < R, other=0).to(tl.int64)
+        head_ptrs = ctrl + head_word + ro * CMAX + q
+        tail_ptrs = (peer_bases + (tail_word + rank * CMAX + q) * 8).to(tl.pointer_type(tl.int64))
+        _, ok = wait_at_least(head_ptrs, sent0, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
+        self_row0 = tl.load(prefix_ptr + rank)
+        for tb in range(t0, t1, batch):
+            te = tl.minimum(tb + batch, t1)
+            upto = base + tl.load(before_ptr + te * R + ro, mask=ro < R, other=0).to(tl.int64)
+            if ok:
+                _, ok = wait_at_least(head_ptrs, upto - ring_slots, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
+            if ok:
+                for t in range(tb, te):
+                    t64 = t.to(tl.int64)
+                    sources = tl.max_contiguous(tl.multiple_of(x_ptr + t64 * XW + xo, [16]), [BLOCK_X])
+                    x = tl.load(sources, mask=xo < XW)
+                    scales = tl.zeros([BLOCK_S], tl.int32)
+                    ids = tl.zeros([BLOCK_K], tl.int64)
+                    weights = tl.zeros([BLOCK_K], tl.float32)
+                    if SW > 0:
+                        scales = tl.load(scales_ptr + t64 * SW + so, mask=so < SW)
+                    if K > 0:
+                        ids = tl.load(idx_ptr + t64 * K + ko, mask=ko < K)
+                        if HAS_W:
+                            weights = tl.load(weights_ptr + t64 * K + ko, mask=ko < K)
+                    for d in tl.static_range(R):
+                        if tl.load(in_rank_ptr + t64 * R + d) != 0:
+                            position = tl.load(before_ptr + t64 * R + d)
+                            if d == rank:
+                                if self_row0 + position < num_rows:
+                                    _store_outputs(self_row0 + position, x, scales, ids, weights, t, out_x_ptr,
+                                                   out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
+                                                   expert_begin, experts_per_rank, xo, so, ko, XW, SW, K, HAS_W,
+                                                   BLOCK_X)
+                            else:
+                                index = (tl.load(ctrl + sent_word + d * CMAX + q)
+                                         - tl.load(before_ptr + t0 * R + d) + position)
+                                slot = (tl.load(bases_ptr + d) + 4 * (ring_word + (rank * C + q) * ring_words
+                                                                      + (index % ring_slots) * slot_words))
+                                words = tl.multiple_of(slot, 16).to(tl.pointer_type(tl.int32))
+                                targets = tl.max_contiguous(tl.multiple_of(words + xo, [16]), [BLOCK_X])
+                                tl.store(targets, x, mask=xo < XW)
+                                if SW > 0:
+                                    tl.store(words + XW + so, scales, mask=so < SW)
+                                if K > 0:
+                                    tl.store((words + ID_OFF).to(tl.pointer_type(tl.int64), bitcast=True) + ko, ids,
+                                             mask=ko < K)
+                                    tl.store((words + W_OFF).to(tl.pointer_type(tl.float32), bitcast=True) + ko,
+                                             weights, mask=ko < K)
+                                tl.store(words + SRC_OFF, t)
+                publish(tail_ptrs, upto, peers)
+        done = base + tl.load(before_ptr + t1 * R + ro, mask=ro < R, other=0).to(tl.int64)
+        tl.store(ctrl + sent_word + ro * CMAX + q, done, mask=peers)
+    else:
+        # ---- receiver of channel q ----------------------------------------------------------------------
+        q = pid - C
+        count = tl.load(recv_count_ptr + ro * C + q, mask=peers, other=0).to(tl.int64)
+        out_base = tl.load(recv_base_ptr + ro * C + q, mask=peers, other=0)
+        recvd0 = tl.load(ctrl + recvd_word + ro * CMAX + q, mask=peers, other=0)
+        tail_ptrs = ctrl + tail_word + ro * CMAX + q
+        head_ptrs = (peer_bases + (head_word + rank * CMAX + q) * 8).to(tl.pointer_type(tl.int64))
+        taken = tl.zeros([BLOCK_R], tl.int64)
+        remaining = tl.sum(count)
+        failed = remaining < 0
+        start = globaltimer()
+        while (remaining > 0) & (failed == 0):
+            open_ = peers & (taken < count)
+            tails = tl.atomic_add(tail_ptrs, 0, mask=open_, sem="acquire", scope="sys")
+            avail = tl.where(open_, tl.minimum(tails - recvd0 - taken, count - taken), 0)
+            if tl.sum(avail) > 0:
+                for s in tl.static_range(R):
+                    if s != rank:
+                        n = tl.sum(tl.where(ro == s, avail, 0))
+                        first = tl.sum(tl.where(ro == s, recvd0 + taken, 0))
+                        row0 = tl.sum(tl.where(ro == s, out_base + taken, 0))
+                        ring = own + 4 * (ring_word + (s * C + q) * ring_words)
+                        for i in range(n):
+                            slot = ring + 4 * ((first + i) % ring_slots) * slot_words
+                            words = tl.multiple_of(slot, 16).to(tl.pointer_type(tl.int32))
+                            sources = tl.max_contiguous(tl.multiple_of(words + xo, [16]), [BLOCK_X])
+                            x = tl.load(sources, mask=xo < XW, cache_modifier=".cg")
+                            scales = tl.zeros([BLOCK_S], tl.int32)
+                            ids = tl.zeros([BLOCK_K], tl.int64)
+                            weights = tl.zeros([BLOCK_K], tl.float32)
+                            if SW > 0:
+                                scales = tl.load(words + XW + so, mask=so < SW, cache_modifier=".cg")
+                            if K > 0:
+                                ids = tl.load((words + ID_OFF).to(tl.pointer_type(tl.int64), bitcast=True) + ko,
+                                              mask=ko < K, cache_modifier=".cg")
+                                if HAS_W:
+                                    weights = tl.load((words + W_OFF).to(tl.pointer_type(tl.float32), bitcast=True)
+                                                      + ko, mask=ko < K, cache_modifier=".cg")
+                            token = tl.load(words + SRC_OFF, cache_modifier=".cg")
+                            if row0 + i < num_rows:
+                                _store_outputs(row0 + i, x, scales, ids, weights, token, out_x_ptr, out_scales_ptr,
+                                               out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
+                                               experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
+                taken += avail
+                publish(head_ptrs, recvd0 + taken, peers)
+                remaining = tl.sum(count - taken)
+                start = globaltimer()
+            elif globaltimer() - start > timeout_ns:
+                report_timeout(status_ptr, WAIT_ROWS, tl.min(tl.where(open_, ro, NO_PEER)))
+                failed = remaining > 0
+        tl.store(ctrl + recvd_word + ro * CMAX + q, recvd0 + count, mask=peers)
+        # rows past the received ones (num_worst_tokens): no expert, no source token
+        for row in range(tl.load(prefix_ptr + R) + q, num_rows, C):
+            row64 = row.to(tl.int64)
             if K > 0:
-                ids = tl.load(slot.to(tl.pointer_type(tl.int64)) + ko, mask=ko < K, cache_modifier=".cg")
-                local = (ids >= expert_begin) & (ids < expert_begin + experts_per_rank)
-                tl.store(out_idx_ptr + i64 * K + ko, tl.where(local, ids - expert_begin, -1), mask=ko < K)
-                if HAS_WEIGHTS:
-                    weights = tl.load((slot + 8 * K).to(tl.pointer_type(tl.float32)) + ko, mask=ko < K,
-                                      cache_modifier=".cg")
-                    tl.store(out_weights_ptr + i64 * K + ko, tl.where(local, weights, 0.0), mask=ko < K)
-            tl.store(out_src_ptr + i64, tl.load(words + 3 * K, cache_modifier=".cg"))
-        for i in range(num_recv + pid, num_rows, num_programs):  # num_worst_tokens tail
-            i64 = i.to(tl.int64)
-            if K > 0:
-                tl.store(out_idx_ptr + i64 * K + ko, tl.full([BLOCK_K], -1, tl.int64), mask=ko < K)
-                if HAS_WEIGHTS:
-                    tl.store(out_weights_ptr + i64 * K + ko, tl.zeros([BLOCK_K], tl.float32), mask=ko < K)
-            tl.store(out_src_ptr + i64, -1)
+                tl.store(out_idx_ptr + row64 * K + ko, tl.full([BLOCK_K], -1, tl.int64), mask=ko < K)
+                if HAS_W:
+                    tl.store(out_weights_ptr + row64 * K + ko, tl.zeros([BLOCK_K], tl.float32), mask=ko < K)
+            tl.store(out_src_ptr + row64, -1)

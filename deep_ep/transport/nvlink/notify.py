@@ -1,35 +1,38 @@
 """Dispatch notify: every rank learns each source's counts for this dispatch.
 
-Protocol (epoch e, one program per peer d): program d of rank s stores s's record for d (int32[REC]:
-its token count, its tokens for d, its counts per expert of d, per channel, ...) into row s of d's notify
-area, fences, and raises d's NOTIFY flag slot s to e. Then program d waits until this rank's own NOTIFY
-slot d reaches e and copies row d of its own notify area into `received[d]`.
-Reuse: a rank starts its next notify only after its previous operation's data phase, which waited for
-every peer to finish reading, so a row is never overwritten before it is read.
+Buffers: each rank's notify area holds two record tables (int32 [2][R][REC]), used alternately by
+successive notifies (parity of the notify epoch e, a device counter advanced by every non-cached dispatch).
+Protocol (one program per peer d): program d of rank s stores s's record for d into table e % 2, row s, of
+d's notify area, fences, and raises d's NOTIFY[s] to e. Then it waits until this rank's NOTIFY[d] reaches e
+and copies row d of its own table e % 2 into `received[d]`.
+Reuse: rank s writes table e % 2 again at notify e + 2, after its notify e + 1 saw NOTIFY[d] >= e + 1, which
+d raised after it had read table e % 2 in notify e; so a row is never overwritten before it is read.
 """
 import triton
 import triton.language as tl
 
-from .sync import WAIT_NOTIFY, fence_sys, wait_flag
+from .sync import WAIT_NOTIFY, fence_sys, wait_at_least
 
 
 @triton.jit
 def notify_kernel(records_ptr, received_ptr, bases_ptr, notify_flag_word, notify_word, epoch_ptr, status_ptr,
-                  rank, timeout_ns, REC: tl.constexpr, BLOCK: tl.constexpr):
+                  rank, timeout_ns, R: tl.constexpr, REC: tl.constexpr, BLOCK: tl.constexpr):
     dest = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
+    table = notify_word + (epoch % 2) * R * REC
     offs = tl.arange(0, BLOCK)
     in_record = offs < REC
     values = tl.load(records_ptr + dest * REC + offs, mask=in_record)
     peer = tl.load(bases_ptr + dest)
-    tl.store(peer.to(tl.pointer_type(tl.int32)) + notify_word + rank * REC + offs, values, mask=in_record)
-    fence_sys()
+    tl.store(peer.to(tl.pointer_type(tl.int32)) + table + rank * REC + offs, values, mask=in_record)
     tl.debug_barrier()
+    fence_sys()
     tl.atomic_xchg(peer.to(tl.pointer_type(tl.int64)) + notify_flag_word + rank, epoch, sem="release", scope="sys")
     own = tl.load(bases_ptr + rank)
-    if wait_flag(own.to(tl.pointer_type(tl.int64)) + notify_flag_word + dest, epoch, timeout_ns, status_ptr,
-                 WAIT_NOTIFY, dest):
+    lane = tl.arange(0, 1)
+    _, ok = wait_at_least(own.to(tl.pointer_type(tl.int64)) + notify_flag_word + dest + lane, epoch + lane, lane == 0,
+                          dest + lane, timeout_ns, status_ptr, WAIT_NOTIFY)
+    if ok:
         tl.debug_barrier()
-        got = tl.load(own.to(tl.pointer_type(tl.int32)) + notify_word + dest * REC + offs, mask=in_record,
-                      volatile=True)
+        got = tl.load(own.to(tl.pointer_type(tl.int32)) + table + dest * REC + offs, mask=in_record, volatile=True)
         tl.store(received_ptr + dest * REC + offs, got, mask=in_record)

@@ -1,10 +1,9 @@
-"""Flags between ranks: epoch-valued int64 words, written with release stores and read with acquire loads
+"""Counters between ranks: int64 words that only grow, written with release stores and read with acquire loads
 at system scope, and bounded spins.
 
-Every operation of the Buffer takes the next value `e` of a device-resident epoch counter (so that a
-CUDA graph replay advances it too). A flag holds the epoch of the last operation that raised it and only
-grows, so nothing is ever reset. A wait gives up after `timeout_ns`: it records (code, peer) in the
-host-visible status words and returns False; the host turns that into an error naming rank and peer.
+A wait gives up after `timeout_ns` (measured with the GPU's global timer): it records (code, peer) in the
+host-visible status words and returns False; the host turns that into an error naming rank and peer. A
+program whose wait failed skips the rest of its work, so a kernel always finishes.
 """
 import triton
 import triton.language as tl
@@ -12,9 +11,11 @@ from triton.language.extra.cuda import globaltimer
 
 # status codes (status[0]); status[1] holds the peer
 WAIT_NOTIFY = tl.constexpr(1)
-WAIT_DATA = tl.constexpr(2)
-WAIT_CONSUMED = tl.constexpr(3)
-STATUS_WHAT = {1: "its dispatch counts (notify)", 2: "its rows", 3: "it to finish reading the previous operation's rows"}
+WAIT_ROWS = tl.constexpr(2)
+WAIT_SPACE = tl.constexpr(3)
+STATUS_WHAT = {1: "its dispatch counts (notify)", 2: "its rows",
+               3: "it to read the rows already in its receive ring (ring slots to free up)"}
+NO_PEER = tl.constexpr(1 << 30)
 
 
 @triton.jit
@@ -23,36 +24,30 @@ def fence_sys():
 
 
 @triton.jit
-def wait_flag(flag_ptr, target, timeout_ns, status_ptr, code, peer):
-    """Spin until the int64 flag at `flag_ptr` is >= target; False (and status set) on timeout."""
+def report_timeout(status_ptr, code, peer):
+    if tl.atomic_cas(status_ptr, 0, code, sem="relaxed", scope="sys") == 0:
+        tl.atomic_xchg(status_ptr + 1, peer, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def wait_at_least(ptrs, targets, mask, peers, timeout_ns, status_ptr, code):
+    """Spin until every counter `ptrs[i]` (where `mask`) is >= `targets[i]`; returns (values, ok). On timeout
+    the first lagging lane's `peers[i]` is reported."""
+    values = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    lagging = tl.sum((mask & (values < targets)).to(tl.int32))
     start = globaltimer()
-    value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    waiting = value < target
-    while waiting:
-        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        waiting = (value < target) & ((globaltimer() - start) < timeout_ns)
-    ok = value >= target
-    if not ok:
-        if tl.atomic_cas(status_ptr, 0, code, sem="relaxed", scope="sys") == 0:
-            tl.atomic_xchg(status_ptr + 1, peer, sem="relaxed", scope="sys")
-    return ok
+    while (lagging > 0) & ((globaltimer() - start) < timeout_ns):
+        values = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
+        lagging = tl.sum((mask & (values < targets)).to(tl.int32))
+    if lagging > 0:
+        report_timeout(status_ptr, code, tl.min(tl.where(mask & (values < targets), peers, NO_PEER)))
+    return values, lagging == 0
 
 
 @triton.jit
-def wait_all_peers(flags_ptr, target, timeout_ns, status_ptr, code, R: tl.constexpr):
-    """Wait until the flag slot of every peer (flags_ptr[0..R)) is >= target; False if any timed out."""
-    ready = True
-    for peer in tl.static_range(R):
-        ready = ready & wait_flag(flags_ptr + peer, target, timeout_ns, status_ptr, code, peer)
-    return ready
-
-
-@triton.jit
-def signal_peers_kernel(bases_ptr, flag_word, epoch_ptr, rank):
-    """Program d raises this rank's flag slot `flag_word + rank` (int64 words) in rank d's buffer to the
-    current epoch, after everything this rank stored before (stream order + system fence)."""
-    dest = tl.program_id(0)
-    epoch = tl.load(epoch_ptr)
+def publish(ptrs, values, mask):
+    """Make every store this program issued so far visible system-wide, then set the counters `ptrs[i]` to
+    `values[i]` (where `mask`)."""
+    tl.debug_barrier()
     fence_sys()
-    base = tl.load(bases_ptr + dest).to(tl.pointer_type(tl.int64))
-    tl.atomic_xchg(base + flag_word + rank, epoch, sem="release", scope="sys")
+    tl.atomic_xchg(ptrs, values, mask=mask, sem="release", scope="sys")
