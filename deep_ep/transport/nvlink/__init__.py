@@ -23,13 +23,15 @@ import torch
 from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology
 from ..base import DispatchOutput, Transport
-from ..reference import ReferenceTransport, _exclusive_cumsum
+from ..reference import ReferenceTransport
 
 CMAX = 64                      # most channels (num_sms / 2) an operation may use
 MAX_EXPERTS_PER_RANK = 1024
-BATCH = 16                     # tokens (rows per ring) per flow-control step
+BATCH = int(os.environ.get("DEEP_EP_NVLINK_BATCH", "64"))   # tokens (rows per ring) per flow-control step
 LAYOUT_PROGRAMS = 16
 NUM_WARPS = int(os.environ.get("DEEP_EP_NVLINK_NUM_WARPS", "16"))
+DISPATCH_TILE = int(os.environ.get("DEEP_EP_NVLINK_DISPATCH_TILE", "16384"))   # int32 words per step
+COMBINE_TILE = int(os.environ.get("DEEP_EP_NVLINK_COMBINE_TILE", "16384"))     # bf16 values per step
 _ALIGN = 256
 
 
@@ -82,6 +84,7 @@ class NVLinkTransport(Transport):
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.status = torch.zeros(4, dtype=torch.int32).pin_memory()
         self.layout_bad = torch.zeros(2, dtype=torch.int64, device=device)
+        self.scratch = torch.zeros(4 + R, dtype=torch.int64, device=device)   # value checks of a dispatch
         self.timeout_ns = int(timeout_s * 1e9)
         self._channels: Optional[int] = None
         self._plans: Dict[int, _Plan] = {}   # id(handle[3]) -> plan, forgotten with the handle
@@ -160,94 +163,79 @@ class NVLinkTransport(Transport):
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels):
         from .notify import notify_kernel
+        from .plan import plan_kernel, prepare_kernel
         topo, dev = self.topology, self.device
-        R, C = topo.num_ranks, num_channels
-        num_experts = num_tokens_per_expert.numel()
+        R, C, rank = topo.num_ranks, num_channels, topo.rank
+        num_tokens, num_experts = x.shape[0], num_tokens_per_expert.numel()
         experts_per_rank = num_experts // R
         self._begin(C)
         geometry = self._dispatch_geometry(x, x_scales, topk_idx, C)
-        before = _before(is_token_in_rank)
-        channel_counts = _channel_counts(before, C)                         # [R, C]
         signature = _signature("dispatch", x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1],
                                0 if topk_idx is None else topk_idx.shape[1], topk_weights is not None, C, num_experts)
-        checks = None if num_worst_tokens else self._value_checks(topk_idx, num_experts, before[-1],
-                                                                   num_tokens_per_rank)
-        check_flags = torch.zeros(1, dtype=torch.int32, device=dev) if checks is None else checks[:1].to(torch.int32)
-        record = torch.cat([before[-1].view(1, R).expand(R, R),
-                            num_tokens_per_expert.view(R, experts_per_rank),
-                            channel_counts,
-                            torch.full((R, 1), signature, dtype=torch.int32, device=dev),
-                            check_flags.view(1, 1).expand(R, 1)], dim=1).contiguous()
-        record_len = record.shape[1]
-        received = torch.empty_like(record)
-        self.epoch.add_(1)
-        notify_kernel[(R,)](record, received, self.peers.bases, self.notify_word, self.record_word, self.epoch,
-                            self.status, topo.rank, self.timeout_ns, R=R, REC=record_len, BLOCK=_next_pow2(record_len))
-        sent_matrix = received[:, :R]                                       # [source, destination]
-        recv_per_expert = received[:, R:R + experts_per_rank].sum(0)
-        recv_chan = received[:, R + experts_per_rank:R + experts_per_rank + C]
-        prefix = torch.zeros(R + 1, dtype=torch.int32, device=dev)
-        prefix[1:] = torch.cumsum(sent_matrix[:, topo.rank], 0)
-        recv_channel_prefix = _exclusive_cumsum(recv_chan, dim=1).to(torch.int32)
-        plan = _Plan(before, recv_chan.contiguous(), (prefix[:R].view(R, 1) + recv_channel_prefix).to(torch.int32),
-                     prefix, C)
+        before = torch.empty((num_tokens + 1, R), dtype=torch.int32, device=dev)
+        send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=dev)
+        channel_counts = torch.empty((R, C), dtype=torch.int32, device=dev)
+        checks, mismatch = self.scratch[:4], self.scratch[4:]
+        in_rank = is_token_in_rank.view(torch.int8)
+        ids = _dummy(dev) if topk_idx is None else topk_idx
+        prepare_kernel[(R + 1,)](in_rank, num_tokens_per_rank, ids, self.layout_bad, before, send_head, channel_counts,
+                                 mismatch, checks, self.epoch, num_tokens, 0 if topk_idx is None else topk_idx.numel(),
+                                 num_experts, C, R=R, BLOCK=1024, BLOCK_C=_next_pow2(C), num_warps=4)
+        record_len = R + experts_per_rank + C + 2
+        received = torch.empty((R, record_len), dtype=torch.int32, device=dev)
+        notify_kernel[(R,)](before[num_tokens], num_tokens_per_expert, channel_counts, mismatch, checks, signature,
+                            received, self.peers.bases, self.notify_word, self.record_word, self.epoch, self.status,
+                            rank, self.timeout_ns, experts_per_rank, C, R=R, REC=record_len,
+                            BLOCK=_next_pow2(record_len), BLOCK_R=_next_pow2(R), num_warps=4)
+        tables = torch.empty(R + 1 + 4 * R * C + R * R, dtype=torch.int32, device=dev)
+        prefix, recv_count, recv_base, recv_channel_prefix, channel_prefix, rank_prefix_matrix = _split(
+            tables, [(R + 1,), (R, C), (R, C), (R, C), (R, C), (R, R)])
+        payload = torch.empty(1 + experts_per_rank + 2 * R + 4, dtype=torch.int64, device=dev)
+        plan_kernel[(1,)](received, channel_counts, prefix, recv_count, recv_base, rank_prefix_matrix, channel_prefix,
+                          recv_channel_prefix, payload, checks, rank, experts_per_rank, expert_alignment,
+                          REC=record_len, R=R, C=C, BLOCK_R=_next_pow2(R), BLOCK_C=_next_pow2(C),
+                          BLOCK_E=_next_pow2(experts_per_rank), num_warps=4)
+        plan = _Plan(before, recv_count, recv_base, prefix, C)
         if num_worst_tokens:
             num_rows, aligned_list = num_worst_tokens, []
         else:
-            aligned_list, num_rows = self._wait_counts(prefix[R], recv_per_expert, received[:, -2:], signature,
-                                                       checks, expert_alignment, num_experts)
+            num_rows, aligned_list = self._wait_counts(payload, signature, num_experts)
         out = self._run_dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank, plan, num_rows,
-                                 topo.rank * experts_per_rank, experts_per_rank, geometry)
-        rank_prefix_matrix = torch.cumsum(sent_matrix, dim=0).to(torch.int32)
-        channel_prefix = torch.cumsum(channel_counts, dim=1).to(torch.int32)
-        send_head = torch.where(is_token_in_rank, before[:-1], -1)
+                                 rank * experts_per_rank, experts_per_rank, geometry)
         out.handle = (rank_prefix_matrix, channel_prefix, recv_channel_prefix, out.handle, is_token_in_rank, send_head)
         out.num_recv_tokens_per_expert_list = aligned_list
         self._remember(out.handle[3], plan)
         return out
 
-    def _value_checks(self, topk_idx, num_experts, column_sums, num_tokens_per_rank) -> torch.Tensor:
-        """int64 [5] on the device: (bits: 1 = an expert id of the last layouts out of range, 2 = one of
-        topk_idx, 4 = num_tokens_per_rank is not the column sums of is_token_in_rank; then the smallest and
-        largest id of topk_idx and an offending id of the layouts)."""
-        low_high = torch.zeros(2, dtype=torch.int64, device=self.device)
-        if topk_idx is not None and topk_idx.numel():
-            low_high = torch.stack(topk_idx.aminmax())
-        flags = ((self.layout_bad[0] > 0).to(torch.int64) + 2 * ((low_high[0] < -1) | (low_high[1] >= num_experts))
-                 + 4 * (column_sums != num_tokens_per_rank).any())
-        return torch.cat([flags.view(1), low_high, self.layout_bad[1:]])
-
-    def _wait_counts(self, num_recv, recv_per_expert, signatures_and_checks, signature, checks, expert_alignment,
-                     num_experts):
+    def _wait_counts(self, payload, signature, num_experts):
         """The API's host wait for the received counts; with it, every rank learns whether all ranks called
         with the same shapes and valid values, and if not, all of them raise before any row moves."""
-        host = torch.cat([num_recv.view(1).to(torch.int64), recv_per_expert.to(torch.int64),
-                          signatures_and_checks.t().reshape(-1).to(torch.int64), checks]).cpu().tolist()
+        host = payload.cpu().tolist()
         self._check_status()
-        R, E_loc, rank = self.topology.num_ranks, recv_per_expert.numel(), self.topology.rank
-        num_recv, per_expert = host[0], host[1:1 + E_loc]
+        R, rank = self.topology.num_ranks, self.topology.rank
+        E_loc = len(host) - 1 - 2 * R - 4
+        num_recv, aligned = host[0], host[1:1 + E_loc]
         signatures, flags = host[1 + E_loc:1 + E_loc + R], host[1 + E_loc + R:1 + E_loc + 2 * R]
         own_flags, low, high, layout_value = host[1 + E_loc + 2 * R:]
         others = [r for r, s in enumerate(signatures) if s != signature]
         if others:
             raise ValueError(f"dispatch: rank(s) {others} called dispatch with a different hidden size, dtype, scales, "
                              f"top-k, num_experts or config than rank {rank}; every rank must pass the same shapes")
-        if own_flags & 1:
+        if flags[rank] & 1:
             self.layout_bad.zero_()
             raise ValueError(f"topk_idx of get_dispatch_layout: entries must be -1 or in [0, {num_experts}), found "
                              f"{layout_value} (the NVLink transport checks expert ids on the GPU and reports them "
                              "at the next dispatch)")
-        if own_flags & 2:
+        if flags[rank] & 2:
             raise ValueError(f"topk_idx entries must be -1 or in [0, {num_experts}), found {low if low < -1 else high}")
-        if own_flags & 4:
+        if flags[rank] & 4:
             raise ValueError("num_tokens_per_rank must equal the column sums of is_token_in_rank "
                              "(pass the outputs of one get_dispatch_layout call)")
         failed = [r for r, f in enumerate(flags) if f]
         if failed:
             raise ValueError(f"dispatch: rank(s) {failed} passed invalid inputs (see the errors there); no rank "
                              "sent anything")
-        aligned = [(n + expert_alignment - 1) // expert_alignment * expert_alignment for n in per_expert]
-        return aligned, num_recv
+        return num_recv, aligned
 
     def cached_dispatch(self, x, x_scales, handle, num_channels):
         plan = self._plan(handle)
@@ -292,7 +280,7 @@ class NVLinkTransport(Transport):
             self.timeout_ns, C=C, CMAX=CMAX, R=R, XW=hidden_words, SW=scale_words, K=topk,
             HAS_W=topk_weights is not None, ID_OFF=id_offset, BLOCK_X=_next_pow2(max(hidden_words, 1)),
             BLOCK_S=_next_pow2(max(scale_words, 1)), BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R),
-            num_warps=NUM_WARPS)
+            ROWS=_rows_per_step(hidden_words, DISPATCH_TILE), num_warps=NUM_WARPS)
         return DispatchOutput(recv_x, recv_scales, recv_idx, recv_weights, None, recv_src)
 
     # ---- combine ---------------------------------------------------------------------------------------------
@@ -320,7 +308,8 @@ class NVLinkTransport(Transport):
             num_tokens, x.shape[0], topo.rank, self.tail_word, self.head_word, self.sent_word, self.recvd_word, self.ring_word,
             ring_words, slot_words, ring_slots, batch, self.timeout_ns, C=C, CMAX=CMAX, R=R, H=hidden, K=topk,
             X_OFF=x_offset, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None, BLOCK_H=_next_pow2(hidden),
-            BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R), num_warps=NUM_WARPS)
+            BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R), ROWS=_rows_per_step(hidden, COMBINE_TILE),
+            num_warps=NUM_WARPS)
         return combined, combined_weights
 
     # ---- low latency: the reference transport for now ------------------------------------------------------
@@ -335,6 +324,11 @@ class NVLinkTransport(Transport):
         self.peers.close()
 
 
+def _rows_per_step(row_elements: int, tile_elements: int) -> int:
+    """Rows a program moves at once: about `tile_elements` values in flight, 1 to 8 rows."""
+    return max(1, min(8, _next_pow2(tile_elements // _next_pow2(max(row_elements, 1)) + 1) // 2))
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -343,21 +337,24 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return torch.empty((1,), dtype=torch.int32, device=device)
 
 
+def _split(flat: torch.Tensor, shapes):
+    """Views of consecutive parts of `flat` with the given shapes."""
+    views, offset = [], 0
+    for shape in shapes:
+        size = 1
+        for n in shape:
+            size *= n
+        views.append(flat[offset:offset + size].view(shape))
+        offset += size
+    return views
+
+
 def _before(is_token_in_rank: torch.Tensor) -> torch.Tensor:
     """[T + 1, R] int32: for each token t and rank d, how many tokens before t go to d."""
     counts = torch.zeros((is_token_in_rank.shape[0] + 1, is_token_in_rank.shape[1]), dtype=torch.int32,
                          device=is_token_in_rank.device)
     torch.cumsum(is_token_in_rank, dim=0, dtype=torch.int32, out=counts[1:])
     return counts
-
-
-def _channel_counts(before: torch.Tensor, num_channels: int) -> torch.Tensor:
-    """[R, C] int32 tokens per destination and channel (channel q = tokens [q * ceil(T/C), ...))."""
-    num_tokens = before.shape[0] - 1
-    per_channel = -(-num_tokens // num_channels) if num_tokens else 1
-    bounds = torch.arange(num_channels + 1, device=before.device) * per_channel
-    at = before[bounds.clamp_(max=num_tokens)]
-    return (at[1:] - at[:-1]).t().contiguous()
 
 
 def _signature(*fields) -> int:

@@ -27,9 +27,10 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
                    sent_word, recvd_word, ring_word, ring_words, slot_words, ring_slots, batch, timeout_ns,
                    C: tl.constexpr, CMAX: tl.constexpr, R: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                    X_OFF: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
+    to = tl.arange(0, ROWS)
     peers = (ro < R) & (ro != rank)
     own = tl.load(bases_ptr + rank)
     ctrl = own.to(tl.pointer_type(tl.int64))
@@ -61,16 +62,21 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
                     first = tl.sum(tl.where(ro == s, sent0 + sent, 0))
                     row0 = tl.sum(tl.where(ro == s, row_base + sent, 0))
                     ring = tl.load(bases_ptr + s) + 4 * (ring_word + (rank * C + q) * ring_words)
-                    for i in range(n):
-                        slot = tl.multiple_of(ring + 4 * ((first + i) % ring_slots) * slot_words, 16)
-                        in_x = row0 + i < num_rows   # num_worst_tokens: rows past x were dropped
-                        row = tl.load(x_ptr + (row0 + i) * H + ho, mask=(ho < H) & in_x, other=0.0)
-                        targets = tl.max_contiguous(
-                            tl.multiple_of(slot.to(tl.pointer_type(tl.bfloat16)) + 2 * X_OFF + ho, [16]), [BLOCK_H])
-                        tl.store(targets, row, mask=ho < H)
+                    for i in range(0, n, ROWS):
+                        rows = row0 + i + to
+                        live = i + to < n
+                        in_x = live & (rows < num_rows)   # num_worst_tokens: rows past x were dropped
+                        tile = tl.load(x_ptr + rows[:, None] * H + ho[None, :], mask=in_x[:, None] & (ho[None, :] < H),
+                                       other=0.0)
+                        slots = tl.multiple_of(ring + 4 * ((first + i + to) % ring_slots) * slot_words, 16)
+                        targets = slots.to(tl.pointer_type(tl.bfloat16))[:, None] + 2 * X_OFF + ho[None, :]
+                        targets = tl.max_contiguous(tl.multiple_of(targets, [1, 16]), [1, BLOCK_H])
+                        tl.store(targets, tile, mask=live[:, None] & (ho[None, :] < H))
                         if K > 0:
-                            weights = tl.load(weights_ptr + (row0 + i) * K + ko, mask=(ko < K) & in_x, other=0.0)
-                            tl.store(slot.to(tl.pointer_type(tl.float32)) + ko, weights, mask=ko < K)
+                            weights = tl.load(weights_ptr + rows[:, None] * K + ko[None, :],
+                                              mask=in_x[:, None] & (ko[None, :] < K), other=0.0)
+                            tl.store(slots.to(tl.pointer_type(tl.float32))[:, None] + ko[None, :], weights,
+                                     mask=live[:, None] & (ko[None, :] < K))
                 sent += step
                 publish(tail_ptrs, sent0 + sent, peers)
                 remaining = tl.sum(count - sent)
@@ -97,38 +103,44 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
             if ok:
                 _, ok = wait_at_least(tail_ptrs, upto, peers, ro, timeout_ns, status_ptr, WAIT_ROWS)
             if ok:
-                for t in range(tb, te):
-                    t64 = t.to(tl.int64)
-                    total = tl.zeros([BLOCK_H], tl.float32)
+                for first_token in range(tb, te, ROWS):
+                    tokens = first_token + to
+                    live = tokens < te
+                    t64 = tokens.to(tl.int64)
+                    row_mask = live[:, None] & (ho[None, :] < H)
+                    total = tl.zeros([ROWS, BLOCK_H], tl.float32)
                     if HAS_BIAS0:
-                        total += tl.load(bias0_ptr + t64 * H + ho, mask=ho < H).to(tl.float32)
+                        total += tl.load(bias0_ptr + t64[:, None] * H + ho[None, :], mask=row_mask).to(tl.float32)
                     if HAS_BIAS1:
-                        total += tl.load(bias1_ptr + t64 * H + ho, mask=ho < H).to(tl.float32)
-                    weight_total = tl.zeros([BLOCK_K], tl.float32)
+                        total += tl.load(bias1_ptr + t64[:, None] * H + ho[None, :], mask=row_mask).to(tl.float32)
+                    weight_total = tl.zeros([ROWS, BLOCK_K], tl.float32)
                     for d in tl.static_range(R):
-                        if tl.load(in_rank_ptr + t64 * R + d) != 0:
-                            position = tl.load(before_ptr + t64 * R + d).to(tl.int64)
-                            if d == rank:
-                                row = tl.load(x_ptr + (self_row0 + position) * H + ho, mask=ho < H)
-                                total += row.to(tl.float32)
-                                if K > 0:
-                                    weight_total += tl.load(weights_ptr + (self_row0 + position) * K + ko,
-                                                            mask=ko < K)
-                            else:
-                                index = (tl.load(ctrl + recvd_word + d * CMAX + q)
-                                         - tl.load(before_ptr + t0 * R + d) + position)
-                                slot = tl.multiple_of(own + 4 * (ring_word + (d * C + q) * ring_words
-                                                                 + (index % ring_slots) * slot_words), 16)
-                                sources = tl.max_contiguous(
-                                    tl.multiple_of(slot.to(tl.pointer_type(tl.bfloat16)) + 2 * X_OFF + ho, [16]),
-                                    [BLOCK_H])
-                                total += tl.load(sources, mask=ho < H, cache_modifier=".cg").to(tl.float32)
-                                if K > 0:
-                                    weight_total += tl.load(slot.to(tl.pointer_type(tl.float32)) + ko, mask=ko < K,
-                                                            cache_modifier=".cg")
-                    tl.store(out_ptr + t64 * H + ho, total.to(tl.bfloat16), mask=ho < H)
+                        take = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
+                        position = tl.load(before_ptr + t64 * R + d, mask=live, other=0).to(tl.int64)
+                        if d == rank:
+                            rows = self_row0 + position
+                            total += tl.load(x_ptr + rows[:, None] * H + ho[None, :],
+                                             mask=take[:, None] & (ho[None, :] < H), other=0.0).to(tl.float32)
+                            if K > 0:
+                                weight_total += tl.load(weights_ptr + rows[:, None] * K + ko[None, :],
+                                                        mask=take[:, None] & (ko[None, :] < K), other=0.0)
+                        else:
+                            index = (tl.load(ctrl + recvd_word + d * CMAX + q) - tl.load(before_ptr + t0 * R + d)
+                                     + position)
+                            slots = tl.multiple_of(own + 4 * (ring_word + (d * C + q) * ring_words
+                                                              + (index % ring_slots) * slot_words), 16)
+                            sources = slots.to(tl.pointer_type(tl.bfloat16))[:, None] + 2 * X_OFF + ho[None, :]
+                            sources = tl.max_contiguous(tl.multiple_of(sources, [1, 16]), [1, BLOCK_H])
+                            total += tl.load(sources, mask=take[:, None] & (ho[None, :] < H), other=0.0,
+                                             cache_modifier=".cg").to(tl.float32)
+                            if K > 0:
+                                weight_total += tl.load(slots.to(tl.pointer_type(tl.float32))[:, None] + ko[None, :],
+                                                        mask=take[:, None] & (ko[None, :] < K), other=0.0,
+                                                        cache_modifier=".cg")
+                    tl.store(out_ptr + t64[:, None] * H + ho[None, :], total.to(tl.bfloat16), mask=row_mask)
                     if K > 0:
-                        tl.store(out_weights_ptr + t64 * K + ko, weight_total, mask=ko < K)
+                        tl.store(out_weights_ptr + t64[:, None] * K + ko[None, :], weight_total,
+                                 mask=live[:, None] & (ko[None, :] < K))
                 publish(head_ptrs, upto, peers)
         done = base + tl.load(before_ptr + t1 * R + ro, mask=ro < R, other=0).to(tl.int64)
         tl.store(ctrl + recvd_word + ro * CMAX + q, done, mask=peers)

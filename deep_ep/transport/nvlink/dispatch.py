@@ -27,21 +27,31 @@ from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, publish, report_timeout, wait_
 
 
 @triton.jit
-def _store_outputs(row, x, scales, ids, weights, token, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr,
-                   out_src_ptr, expert_begin, experts_per_rank, xo, so, ko, XW: tl.constexpr, SW: tl.constexpr,
-                   K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr):
-    """One received row into the outputs: ids of other ranks' experts become -1, their weights 0."""
-    row64 = row.to(tl.int64)
-    targets = tl.max_contiguous(tl.multiple_of(out_x_ptr + row64 * XW + xo, [16]), [BLOCK_X])
-    tl.store(targets, x, mask=xo < XW)
+def _rows_ptr(addresses, offsets, dtype: tl.constexpr, BLOCK: tl.constexpr):
+    """[ROWS, BLOCK] pointers: row r at byte address addresses[r] (16-byte aligned), element offsets."""
+    ptrs = tl.multiple_of(addresses, 16).to(tl.pointer_type(dtype))[:, None] + offsets[None, :]
+    return tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, BLOCK])
+
+
+@triton.jit
+def _store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr, out_scales_ptr, out_idx_ptr,
+                   out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, xo, so, ko, XW: tl.constexpr,
+                   SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr):
+    """Received rows (where `keep`) into the outputs: ids of other ranks' experts become -1, their weights 0."""
+    rows64 = rows.to(tl.int64)[:, None]
+    keep2 = keep[:, None]
+    tl.store(_rows_ptr(out_x_ptr.to(tl.int64) + rows.to(tl.int64) * (4 * XW), xo, tl.int32, BLOCK_X), x,
+             mask=keep2 & (xo[None, :] < XW))
     if SW > 0:
-        tl.store(out_scales_ptr + row64 * SW + so, scales, mask=so < SW)
+        tl.store(out_scales_ptr + rows64 * SW + so[None, :], scales, mask=keep2 & (so[None, :] < SW))
     if K > 0:
         local = (ids >= expert_begin) & (ids < expert_begin + experts_per_rank)
-        tl.store(out_idx_ptr + row64 * K + ko, tl.where(local, ids - expert_begin, -1), mask=ko < K)
+        tl.store(out_idx_ptr + rows64 * K + ko[None, :], tl.where(local, ids - expert_begin, -1),
+                 mask=keep2 & (ko[None, :] < K))
         if HAS_W:
-            tl.store(out_weights_ptr + row64 * K + ko, tl.where(local, weights, 0.0), mask=ko < K)
-    tl.store(out_src_ptr + row64, token)
+            tl.store(out_weights_ptr + rows64 * K + ko[None, :], tl.where(local, weights, 0.0),
+                     mask=keep2 & (ko[None, :] < K))
+    tl.store(out_src_ptr + rows.to(tl.int64), tokens, mask=keep)
 
 
 @triton.jit
@@ -51,9 +61,10 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                     sent_word, recvd_word, ring_word, ring_words, slot_words, ring_slots, batch, timeout_ns,
                     C: tl.constexpr, CMAX: tl.constexpr, R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
                     K: tl.constexpr, HAS_W: tl.constexpr, ID_OFF: tl.constexpr, BLOCK_X: tl.constexpr,
-                    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
+    to = tl.arange(0, ROWS)
     peers = (ro < R) & (ro != rank)
     own = tl.load(bases_ptr + rank)
     ctrl = own.to(tl.pointer_type(tl.int64))
@@ -81,44 +92,46 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
             if ok:
                 _, ok = wait_at_least(head_ptrs, upto - ring_slots, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
             if ok:
-                for t in range(tb, te):
-                    t64 = t.to(tl.int64)
-                    sources = tl.max_contiguous(tl.multiple_of(x_ptr + t64 * XW + xo, [16]), [BLOCK_X])
-                    x = tl.load(sources, mask=xo < XW)
-                    scales = tl.zeros([BLOCK_S], tl.int32)
-                    ids = tl.zeros([BLOCK_K], tl.int64)
-                    weights = tl.zeros([BLOCK_K], tl.float32)
+                for first_token in range(tb, te, ROWS):
+                    tokens = first_token + to
+                    live = tokens < te
+                    t64 = tokens.to(tl.int64)
+                    x = tl.load(_rows_ptr(x_ptr.to(tl.int64) + t64 * (4 * XW), xo, tl.int32, BLOCK_X),
+                                mask=live[:, None] & (xo[None, :] < XW))
+                    scales = tl.zeros([ROWS, BLOCK_S], tl.int32)
+                    ids = tl.zeros([ROWS, BLOCK_K], tl.int64)
+                    weights = tl.zeros([ROWS, BLOCK_K], tl.float32)
                     if SW > 0:
-                        scales = tl.load(scales_ptr + t64 * SW + so, mask=so < SW)
+                        scales = tl.load(scales_ptr + t64[:, None] * SW + so[None, :],
+                                         mask=live[:, None] & (so[None, :] < SW))
                     if K > 0:
-                        ids = tl.load(idx_ptr + t64 * K + ko, mask=ko < K)
+                        ids = tl.load(idx_ptr + t64[:, None] * K + ko[None, :], mask=live[:, None] & (ko[None, :] < K))
                         if HAS_W:
-                            weights = tl.load(weights_ptr + t64 * K + ko, mask=ko < K)
+                            weights = tl.load(weights_ptr + t64[:, None] * K + ko[None, :],
+                                              mask=live[:, None] & (ko[None, :] < K))
                     for d in tl.static_range(R):
-                        if tl.load(in_rank_ptr + t64 * R + d) != 0:
-                            position = tl.load(before_ptr + t64 * R + d)
-                            if d == rank:
-                                if self_row0 + position < num_rows:
-                                    _store_outputs(self_row0 + position, x, scales, ids, weights, t, out_x_ptr,
-                                                   out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
-                                                   expert_begin, experts_per_rank, xo, so, ko, XW, SW, K, HAS_W,
-                                                   BLOCK_X)
-                            else:
-                                index = (tl.load(ctrl + sent_word + d * CMAX + q)
-                                         - tl.load(before_ptr + t0 * R + d) + position)
-                                slot = (tl.load(bases_ptr + d) + 4 * (ring_word + (rank * C + q) * ring_words
-                                                                      + (index % ring_slots) * slot_words))
-                                words = tl.multiple_of(slot, 16).to(tl.pointer_type(tl.int32))
-                                targets = tl.max_contiguous(tl.multiple_of(words + xo, [16]), [BLOCK_X])
-                                tl.store(targets, x, mask=xo < XW)
-                                if SW > 0:
-                                    tl.store(words + XW + so, scales, mask=so < SW)
-                                if K > 0:
-                                    tl.store((words + ID_OFF).to(tl.pointer_type(tl.int64), bitcast=True) + ko, ids,
-                                             mask=ko < K)
-                                    tl.store((words + W_OFF).to(tl.pointer_type(tl.float32), bitcast=True) + ko,
-                                             weights, mask=ko < K)
-                                tl.store(words + SRC_OFF, t)
+                        send = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
+                        position = tl.load(before_ptr + t64 * R + d, mask=live, other=0)
+                        if d == rank:
+                            rows = self_row0 + position
+                            _store_outputs(rows, send & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
+                                           out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
+                                           experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
+                        else:
+                            index = (tl.load(ctrl + sent_word + d * CMAX + q) - tl.load(before_ptr + t0 * R + d)
+                                     + position)
+                            slots = (tl.load(bases_ptr + d) + 4 * (ring_word + (rank * C + q) * ring_words
+                                                                   + (index % ring_slots) * slot_words))
+                            tl.store(_rows_ptr(slots, xo, tl.int32, BLOCK_X), x, mask=send[:, None] & (xo[None, :] < XW))
+                            words = slots.to(tl.pointer_type(tl.int32))[:, None]
+                            if SW > 0:
+                                tl.store(words + XW + so[None, :], scales, mask=send[:, None] & (so[None, :] < SW))
+                            if K > 0:
+                                tl.store((words + ID_OFF).to(tl.pointer_type(tl.int64), bitcast=True) + ko[None, :],
+                                         ids, mask=send[:, None] & (ko[None, :] < K))
+                                tl.store((words + W_OFF).to(tl.pointer_type(tl.float32), bitcast=True) + ko[None, :],
+                                         weights, mask=send[:, None] & (ko[None, :] < K))
+                            tl.store(slots.to(tl.pointer_type(tl.int32)) + SRC_OFF, tokens, mask=send)
                 publish(tail_ptrs, upto, peers)
         done = base + tl.load(before_ptr + t1 * R + ro, mask=ro < R, other=0).to(tl.int64)
         tl.store(ctrl + sent_word + ro * CMAX + q, done, mask=peers)
@@ -145,27 +158,32 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                         first = tl.sum(tl.where(ro == s, recvd0 + taken, 0))
                         row0 = tl.sum(tl.where(ro == s, out_base + taken, 0))
                         ring = own + 4 * (ring_word + (s * C + q) * ring_words)
-                        for i in range(n):
-                            slot = ring + 4 * ((first + i) % ring_slots) * slot_words
-                            words = tl.multiple_of(slot, 16).to(tl.pointer_type(tl.int32))
-                            sources = tl.max_contiguous(tl.multiple_of(words + xo, [16]), [BLOCK_X])
-                            x = tl.load(sources, mask=xo < XW, cache_modifier=".cg")
-                            scales = tl.zeros([BLOCK_S], tl.int32)
-                            ids = tl.zeros([BLOCK_K], tl.int64)
-                            weights = tl.zeros([BLOCK_K], tl.float32)
+                        for i in range(0, n, ROWS):
+                            index = first + i + to
+                            live = i + to < n
+                            slots = ring + 4 * (index % ring_slots) * slot_words
+                            x = tl.load(_rows_ptr(slots, xo, tl.int32, BLOCK_X), mask=live[:, None] & (xo[None, :] < XW),
+                                        cache_modifier=".cg")
+                            words = slots.to(tl.pointer_type(tl.int32))[:, None]
+                            scales = tl.zeros([ROWS, BLOCK_S], tl.int32)
+                            ids = tl.zeros([ROWS, BLOCK_K], tl.int64)
+                            weights = tl.zeros([ROWS, BLOCK_K], tl.float32)
                             if SW > 0:
-                                scales = tl.load(words + XW + so, mask=so < SW, cache_modifier=".cg")
+                                scales = tl.load(words + XW + so[None, :], mask=live[:, None] & (so[None, :] < SW),
+                                                 cache_modifier=".cg")
                             if K > 0:
-                                ids = tl.load((words + ID_OFF).to(tl.pointer_type(tl.int64), bitcast=True) + ko,
-                                              mask=ko < K, cache_modifier=".cg")
+                                ids = tl.load((words + ID_OFF).to(tl.pointer_type(tl.int64), bitcast=True) + ko[None, :],
+                                              mask=live[:, None] & (ko[None, :] < K), cache_modifier=".cg")
                                 if HAS_W:
                                     weights = tl.load((words + W_OFF).to(tl.pointer_type(tl.float32), bitcast=True)
-                                                      + ko, mask=ko < K, cache_modifier=".cg")
-                            token = tl.load(words + SRC_OFF, cache_modifier=".cg")
-                            if row0 + i < num_rows:
-                                _store_outputs(row0 + i, x, scales, ids, weights, token, out_x_ptr, out_scales_ptr,
-                                               out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
-                                               experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
+                                                      + ko[None, :], mask=live[:, None] & (ko[None, :] < K),
+                                                      cache_modifier=".cg")
+                            tokens = tl.load(slots.to(tl.pointer_type(tl.int32)) + SRC_OFF, mask=live,
+                                             cache_modifier=".cg")
+                            rows = row0 + i + to
+                            _store_outputs(rows, live & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
+                                           out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
+                                           experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
                 taken += avail
                 publish(head_ptrs, recvd0 + taken, peers)
                 remaining = tl.sum(count - taken)

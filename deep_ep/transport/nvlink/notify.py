@@ -15,14 +15,27 @@ from .sync import WAIT_NOTIFY, fence_sys, wait_at_least
 
 
 @triton.jit
-def notify_kernel(records_ptr, received_ptr, bases_ptr, notify_flag_word, notify_word, epoch_ptr, status_ptr,
-                  rank, timeout_ns, R: tl.constexpr, REC: tl.constexpr, BLOCK: tl.constexpr):
+def notify_kernel(colsum_ptr, per_expert_ptr, channel_counts_ptr, mismatch_ptr, checks_ptr, signature, received_ptr,
+                  bases_ptr, notify_flag_word, notify_word, epoch_ptr, status_ptr, rank, timeout_ns, experts_per_rank,
+                  C, R: tl.constexpr, REC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Record for d: [tokens per destination (R) | tokens per expert of d | tokens for d per channel (C) |
+    signature of the call's shapes | flags of invalid input (plan.prepare_kernel)]."""
     dest = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
     table = notify_word + (epoch % 2) * R * REC
     offs = tl.arange(0, BLOCK)
     in_record = offs < REC
-    values = tl.load(records_ptr + dest * REC + offs, mask=in_record)
+    values = tl.load(colsum_ptr + offs, mask=offs < R, other=0)
+    e = offs - R
+    is_expert = (e >= 0) & (e < experts_per_rank)
+    values = tl.where(is_expert, tl.load(per_expert_ptr + dest * experts_per_rank + e, mask=is_expert, other=0), values)
+    c = e - experts_per_rank
+    is_channel = (c >= 0) & (c < C)
+    values = tl.where(is_channel, tl.load(channel_counts_ptr + dest * C + c, mask=is_channel, other=0), values)
+    ro = tl.arange(0, BLOCK_R)
+    flags = tl.load(checks_ptr) | 4 * (tl.sum(tl.load(mismatch_ptr + ro, mask=ro < R, other=0), axis=0) > 0).to(tl.int64)
+    values = tl.where(offs == REC - 2, signature, values)
+    values = tl.where(offs == REC - 1, flags.to(tl.int32), values)
     peer = tl.load(bases_ptr + dest)
     tl.store(peer.to(tl.pointer_type(tl.int32)) + table + rank * REC + offs, values, mask=in_record)
     tl.debug_barrier()

@@ -46,8 +46,8 @@ def wait_at_least(ptrs, targets, mask, peers, timeout_ns, status_ptr, code):
 
 @triton.jit
 def publish(ptrs, values, mask):
-    """Make every store this program issued so far visible system-wide, then set the counters `ptrs[i]` to
-    `values[i]` (where `mask`)."""
+    """Set the counters `ptrs[i]` to `values[i]` (where `mask`) after every access this program made so far:
+    the barrier orders all threads' accesses before the releasing store (release is cumulative), so one
+    release per counter suffices; a fence in every thread would stall each of them on its NVLink stores."""
     tl.debug_barrier()
-    fence_sys()
     tl.atomic_xchg(ptrs, values, mask=mask, sem="release", scope="sys")
