@@ -378,9 +378,27 @@ class _Baseline:
 # The benchmark on one rank
 # ------------------------------------------------------------------------------------------------------
 def _record(results: Dict[str, Any], name: str, times: List[float], nbytes: Optional[int],
-            baseline_times: Optional[List[float]] = None) -> None:
-    results[name] = dict(time_us=_median_us(times), bytes=nbytes,
+            baseline_times: Optional[List[float]] = None, link_bytes: Optional[int] = None) -> None:
+    results[name] = dict(time_us=_median_us(times), bytes=nbytes, link_bytes=link_bytes,
                          baseline_time_us=_median_us(baseline_times) if baseline_times else None)
+
+
+def _copy_engine_peer_gbps(device: torch.device) -> Optional[float]:
+    """The ceiling: a 256 MiB cudaMemcpy from this GPU to the next one (copy engine, no SMs), GB/s."""
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        return None
+    peer = torch.device("cuda", (device.index + 1) % torch.cuda.device_count())
+    src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty(256 << 20, dtype=torch.uint8, device=peer)
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3)
+    return src.numel() / 1e9 / statistics.median(times[1:])
 
 
 def _bench_normal(ctx: _Ctx, results: Dict[str, Any], info: Dict[str, Any]) -> None:
@@ -466,6 +484,13 @@ def _bench_normal(ctx: _Ctx, results: Dict[str, Any], info: Dict[str, Any]) -> N
             problems.append("baseline: received top-k differs from the senders' routing (bench bug)")
         ctx.verify(name, problems)
 
+    if rank == 0:
+        info["copy_engine_peer_gbps"] = _copy_engine_peer_gbps(device)
+    ctx.barrier()
+    # bytes this rank moves to other ranks (the NVLink traffic of an intranode transport)
+    rows_out = int(is_token_in_rank.sum()) - int(is_token_in_rank[:, rank].sum())
+    rows_back = num_recv - int(is_token_in_rank[:, rank].sum())
+
     # ---- BF16 dispatch -------------------------------------------------------------------------------
     ctx.phase("normal: dispatch BF16 (+ baseline permute + all_to_all_single)")
     out = buffer.dispatch(x, **layout_kwargs)
@@ -475,7 +500,8 @@ def _bench_normal(ctx: _Ctx, results: Dict[str, Any], info: Dict[str, Any]) -> N
     check_dispatch("dispatch BF16", out, baseline_out)
     bf16_bytes = num_recv * H * 2
     _record(results, "dispatch_bf16", ctx.time(lambda: buffer.dispatch(x, **layout_kwargs)), bf16_bytes,
-            ctx.time(lambda: base.dispatch_with_topk(x, topk_idx, topk_weights, is_token_in_rank, E_loc)))
+            ctx.time(lambda: base.dispatch_with_topk(x, topk_idx, topk_weights, is_token_in_rank, E_loc)),
+            rows_out * H * 2)
 
     # ---- FP8 dispatch --------------------------------------------------------------------------------
     ctx.phase("normal: dispatch FP8 with per-128 scales (+ baseline)")
@@ -484,7 +510,8 @@ def _bench_normal(ctx: _Ctx, results: Dict[str, Any], info: Dict[str, Any]) -> N
                    base.dispatch_with_topk(x_fp8, topk_idx, topk_weights, is_token_in_rank, E_loc))
     _record(results, "dispatch_fp8", ctx.time(lambda: buffer.dispatch(x_fp8, **layout_kwargs)),
             int(bf16_bytes * FP8_FACTOR),
-            ctx.time(lambda: base.dispatch_with_topk(x_fp8, topk_idx, topk_weights, is_token_in_rank, E_loc)))
+            ctx.time(lambda: base.dispatch_with_topk(x_fp8, topk_idx, topk_weights, is_token_in_rank, E_loc)),
+            int(rows_out * H * 2 * FP8_FACTOR))
     del out_fp8
 
     # ---- cached dispatch -----------------------------------------------------------------------------
@@ -497,7 +524,7 @@ def _bench_normal(ctx: _Ctx, results: Dict[str, Any], info: Dict[str, Any]) -> N
         problems.append("cached dispatch rows differ from the first dispatch")
     ctx.verify("cached dispatch BF16", problems)
     _record(results, "dispatch_cached", ctx.time(lambda: buffer.dispatch(x, handle=handle, config=dispatch_config)),
-            bf16_bytes, ctx.time(lambda: base.dispatch([x], is_token_in_rank, base_state)))
+            bf16_bytes, ctx.time(lambda: base.dispatch([x], is_token_in_rank, base_state)), rows_out * H * 2)
 
     # ---- combine -------------------------------------------------------------------------------------
     ctx.phase("normal: combine BF16 (+ baseline all_to_all_single back + index_add)")
@@ -520,7 +547,7 @@ def _bench_normal(ctx: _Ctx, results: Dict[str, Any], info: Dict[str, Any]) -> N
         problems.append("baseline combine != x * number of destination ranks (bench bug)")
     ctx.verify("combine BF16", problems)
     _record(results, "combine", ctx.time(lambda: buffer.combine(recv_x, handle, config=combine_config)), bf16_bytes,
-            ctx.time(lambda: base.combine(recv_x, base_state, T)))
+            ctx.time(lambda: base.combine(recv_x, base_state, T)), rows_back * H * 2)
 
     del out, recv_x, handle, cached, combined
     ctx.barrier()
@@ -794,7 +821,9 @@ def _summarise(plan: Dict[str, Any], result: Dict[str, Any], wall_s: float) -> D
                                      time_us_max_rank=max(r[name]["time_us"] for r in per_rank),
                                      time_us_per_rank=[r[name]["time_us"] for r in per_rank],
                                      bytes=mine["bytes"],
-                                     gbps=(mine["bytes"] / 1e9 / (mine["time_us"] / 1e6)) if mine["bytes"] else None)
+                                     gbps=(mine["bytes"] / 1e9 / (mine["time_us"] / 1e6)) if mine["bytes"] else None,
+                                     link_gbps=(mine["link_bytes"] / 1e9 / (mine["time_us"] / 1e6))
+                                     if mine.get("link_bytes") else None)
         if mine["baseline_time_us"] is not None:
             b = mine["baseline_time_us"]
             entry["baseline"] = dict(time_us=b, time_us_max_rank=max(r[name]["baseline_time_us"] for r in per_rank),
@@ -811,7 +840,8 @@ def _summarise(plan: Dict[str, Any], result: Dict[str, Any], wall_s: float) -> D
                   backend=plan["backend"], transport=info.get("transport"), modes=plan["modes"],
                   tokens=plan["tokens"], hidden=plan["hidden"], topk=plan["topk"], experts=plan["experts"],
                   ll_tokens=plan["ll_tokens"], ll_experts=plan["ll_experts"],
-                  num_sms=info.get("num_sms", plan["num_sms"]), nvl_bytes=info.get("nvl_bytes"), warmup=plan["warmup"], iters=plan["iters"],
+                  num_sms=info.get("num_sms", plan["num_sms"]), nvl_bytes=info.get("nvl_bytes"),
+                  copy_engine_peer_gbps=info.get("copy_engine_peer_gbps"), warmup=plan["warmup"], iters=plan["iters"],
                   seed=plan["seed"], torch=torch.__version__)
     return dict(ok=True, config=config, ops=ops,
                 verification=dict(passed=True, checks=result["checks"]),
@@ -832,8 +862,11 @@ def format_table(report: Dict[str, Any]) -> str:
                      f"{c['ll_experts']} experts")
     lines.append(f"  time: median of {c['iters']} calls after {c['warmup']} warm-up, rank 0 (max over ranks in "
                  f"brackets); GB/s: DeepEP's logical bytes / 1e9; baseline: permute + all_to_all_single")
-    header = ("operation", "time us", "(max rank)", "GB/s", "baseline us", "base GB/s", "ours/baseline")
-    widths = (22, 11, 12, 9, 12, 11, 14)
+    if c.get("copy_engine_peer_gbps"):
+        lines.append(f"  ceiling: copy engine to the peer GPU {c['copy_engine_peer_gbps']:.0f} GB/s; link GB/s = bytes "
+                     "sent to other ranks / time")
+    header = ("operation", "time us", "(max rank)", "GB/s", "link GB/s", "baseline us", "base GB/s", "ours/baseline")
+    widths = (22, 11, 12, 9, 10, 12, 11, 14)
     fmt = lambda cells: "".join(str(v).rjust(w) if i else str(v).ljust(w)  # noqa: E731
                                 for i, (v, w) in enumerate(zip(cells, widths)))
     lines.append(fmt(header))
@@ -845,7 +878,7 @@ def format_table(report: Dict[str, Any]) -> str:
     for entry in report["ops"].values():
         b = entry["baseline"] or {}
         lines.append(fmt((entry["label"], num(entry["time_us"]), f"({num(entry['time_us_max_rank'])})",
-                          num(entry["gbps"], 2), num(b.get("time_us")), num(b.get("gbps"), 2),
+                          num(entry["gbps"], 2), num(entry.get("link_gbps"), 1), num(b.get("time_us")), num(b.get("gbps"), 2),
                           num(entry["ratio_vs_baseline"], 2))))
     v = report["verification"]
     lines.append(f"verification: {'passed' if v['passed'] else 'FAILED'} ({len(v['checks'])} checks); "

@@ -27,7 +27,7 @@ from ..reference import ReferenceTransport
 
 CMAX = 64                      # most channels (num_sms / 2) an operation may use
 MAX_EXPERTS_PER_RANK = 1024
-BATCH = int(os.environ.get("DEEP_EP_NVLINK_BATCH", "64"))   # tokens (rows per ring) per flow-control step
+BATCH = int(os.environ.get("DEEP_EP_NVLINK_BATCH", "128"))   # tokens (rows per ring) per flow-control step
 LAYOUT_PROGRAMS = 16
 NUM_WARPS = int(os.environ.get("DEEP_EP_NVLINK_NUM_WARPS", "16"))
 DISPATCH_TILE = int(os.environ.get("DEEP_EP_NVLINK_DISPATCH_TILE", "16384"))   # int32 words per step
@@ -177,7 +177,7 @@ class NVLinkTransport(Transport):
         channel_counts = torch.empty((R, C), dtype=torch.int32, device=dev)
         checks, mismatch = self.scratch[:4], self.scratch[4:]
         in_rank = is_token_in_rank.view(torch.int8)
-        ids = _dummy(dev) if topk_idx is None else topk_idx
+        ids = torch.zeros(1, dtype=torch.int64, device=dev) if topk_idx is None else topk_idx
         prepare_kernel[(R + 1,)](in_rank, num_tokens_per_rank, ids, self.layout_bad, before, send_head, channel_counts,
                                  mismatch, checks, self.epoch, num_tokens, 0 if topk_idx is None else topk_idx.numel(),
                                  num_experts, C, R=R, BLOCK=1024, BLOCK_C=_next_pow2(C), num_warps=4)
