@@ -384,20 +384,22 @@ def _record(results: Dict[str, Any], name: str, times: List[float], nbytes: Opti
 
 
 def _copy_engine_peer_gbps(device: torch.device) -> Optional[float]:
-    """The ceiling: a 256 MiB cudaMemcpy from this GPU to the next one (copy engine, no SMs), GB/s."""
+    """The ceiling: a 1 GiB cudaMemcpy from this GPU to the next one (copy engine, no SMs), GB/s, timed on the
+    host with both GPUs synchronised (events of one device do not bracket work the copy puts on the other)."""
     if device.type != "cuda" or torch.cuda.device_count() < 2:
         return None
     peer = torch.device("cuda", (device.index + 1) % torch.cuda.device_count())
-    src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    dst = torch.empty(256 << 20, dtype=torch.uint8, device=peer)
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device=peer)
     times = []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
+    for _ in range(4):
         torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / 1e3)
+        torch.cuda.synchronize(peer)
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(peer)
+        times.append(time.perf_counter() - start)
     return src.numel() / 1e9 / statistics.median(times[1:])
 
 

@@ -88,13 +88,16 @@ class Buffer:
         self.num_qps_per_rank = num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode, self.allow_mnnvl, self.use_fabric = (
             allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric)
-        self._nvl_buffer = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device)
         self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device) if enable_shrink else None
         self._comm_stream = CommStream(self.device)
         self._slots = LowLatencySlots()
         self._transport = select_transport(requested_transport, self._group, self.topology, self.device,
-                                           self._nvl_buffer, timeout_s)
+                                           num_nvl_bytes, timeout_s)
+        # the NVLink transport owns its buffer (its counters sit outside the part users can see)
+        self._nvl_buffer = getattr(self._transport, "local_buffer", None)
+        if self._nvl_buffer is None:
+            self._nvl_buffer = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device)
         self.transport_name = self._transport.name
         self.runtime: Optional[object] = self._transport
         self._group.barrier("Buffer construction")

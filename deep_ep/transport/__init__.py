@@ -24,33 +24,27 @@ def transport_name(requested: Optional[str]) -> str:
     return name
 
 
-def select_transport(name: str, group: Group, topology: Topology, device: torch.device, nvl_buffer: torch.Tensor,
+def select_transport(name: str, group: Group, topology: Topology, device: torch.device, num_nvl_bytes: int,
                      timeout_s: float) -> Transport:
     """The transport `name` (from `transport_name`). "auto": the NVLink transport when every rank of the group
     is on one node, on CUDA devices with peer access to each other, with an NVLink buffer
-    (`num_nvl_bytes`) large enough for it; else the reference transport."""
+    (`num_nvl_bytes` > 0); else the reference transport."""
     if name == "reference":
         return ReferenceTransport(group, topology, device)
-    fits = nvlink_fits(group, topology, device, nvl_buffer.numel())
+    fits = nvlink_fits(group, topology, device, num_nvl_bytes)
     if name == "nvlink" and not fits:
         raise ValueError("transport='nvlink' needs every rank on one node, on CUDA devices with peer access "
-                         "to each other, Triton installed, and num_nvl_bytes > "
-                         f"{_nvlink_min_bytes(topology.num_ranks)}")
+                         "to each other, Triton installed, and num_nvl_bytes > 0")
     if fits:
         from .nvlink import NVLinkTransport
-        return NVLinkTransport(group, topology, device, nvl_buffer, timeout_s)
+        return NVLinkTransport(group, topology, device, num_nvl_bytes, timeout_s)
     return ReferenceTransport(group, topology, device)
-
-
-def _nvlink_min_bytes(num_ranks: int) -> int:
-    from .nvlink import header_bytes
-    return header_bytes(num_ranks)
 
 
 def nvlink_fits(group: Group, topology: Topology, device: torch.device, num_nvl_bytes: int) -> bool:
     """Collective: every rank must agree, so the answer is the AND over the group."""
-    usable = (device.type == "cuda" and not topology.is_internode and num_nvl_bytes > _nvlink_min_bytes(
-        topology.num_ranks) and importlib.util.find_spec("triton") is not None)
+    usable = (device.type == "cuda" and not topology.is_internode and num_nvl_bytes > 0
+              and importlib.util.find_spec("triton") is not None)
     devices = group.gather_ints(device.index if usable else -1, "NVLink transport check")
     if any(d < 0 for d in devices):
         return False

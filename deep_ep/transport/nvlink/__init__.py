@@ -10,7 +10,8 @@ reference transport.
 
 Buffer layout (identical on every rank; counters int64, records int32):
   [NOTIFY[R] | TAIL[R][CMAX] | HEAD[R][CMAX] | SENT[R][CMAX] | RECVD[R][CMAX] | records [2][R][REC_MAX] | rings]
-The rings area is split evenly into R x C rings (C = channels of the operation).
+The rings area is the `num_nvl_bytes` of the Buffer (what get_local_buffer_tensor shows), split evenly into
+R x C rings (C = channels of the operation); the header before it is extra.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class NVLinkTransport(Transport):
     name = "nvlink"
     checks_values_on_device = True
 
-    def __init__(self, group: Group, topology: Topology, device: torch.device, nvl_buffer: torch.Tensor,
+    def __init__(self, group: Group, topology: Topology, device: torch.device, num_nvl_bytes: int,
                  timeout_s: float) -> None:
         super().__init__(group, topology, device)
         from .peer_memory import PeerBuffers
@@ -74,13 +75,14 @@ class NVLinkTransport(Transport):
         self.head_word, self.sent_word, self.recvd_word = R + R * CMAX, R + 2 * R * CMAX, R + 3 * R * CMAX
         self.record_word = _ctrl_bytes(R) // 4
         self.ring_word = header_bytes(R) // 4
-        self.total_words = nvl_buffer.numel() // 4
-        if self.total_words <= self.ring_word:
-            raise ValueError(f"num_nvl_bytes={nvl_buffer.numel()} is too small for the NVLink transport: need more "
-                             f"than {self.ring_word * 4} bytes")
-        nvl_buffer[:self.ring_word * 4].zero_()
+        # [counters and records | rings]: the rings are the `num_nvl_bytes` users see (get_local_buffer_tensor);
+        # what they write there only meets rows in transit, never the counters
+        memory = torch.empty(self.ring_word * 4 + _round_up(num_nvl_bytes, 16), dtype=torch.uint8, device=device)
+        memory[:self.ring_word * 4].zero_()
+        self.local_buffer = memory[self.ring_word * 4:self.ring_word * 4 + num_nvl_bytes]
+        self.total_words = memory.numel() // 4
         torch.cuda.synchronize(device)
-        self.peers = PeerBuffers(nvl_buffer, group)
+        self.peers = PeerBuffers(memory, group)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.status = torch.zeros(4, dtype=torch.int32).pin_memory()
         self.layout_bad = torch.zeros(2, dtype=torch.int64, device=device)
@@ -119,9 +121,10 @@ class NVLinkTransport(Transport):
         ring_words = (self.total_words - self.ring_word) // (R * num_channels) // 4 * 4
         slots = ring_words // slot_words
         if slots < 1:
-            need = self.ring_word * 4 + R * num_channels * slot_words * 4
-            raise ValueError(f"{what}: num_nvl_bytes={self.total_words * 4} is too small for the NVLink transport "
-                             f"with {num_channels} channels and rows of {slot_words * 4} bytes: need at least {need}")
+            have = (self.total_words - self.ring_word) * 4
+            need = R * num_channels * slot_words * 4
+            raise ValueError(f"{what}: num_nvl_bytes={have} is too small for the NVLink transport with {num_channels} "
+                             f"channels and rows of {slot_words * 4} bytes: need at least {need} (one row per ring)")
         return ring_words, slots, min(BATCH, slots)
 
     def _remember(self, rows: torch.Tensor, plan: _Plan) -> None:
