@@ -135,17 +135,9 @@ class NVLinkTransport(Transport):
     def _plan(self, handle) -> _Plan:
         """The plan of a handle: kept from its dispatch, else rebuilt from the handle's tensors."""
         plan = self._plans.get(id(handle[3]))
-        if plan is not None:
-            return plan
-        rank_prefix_matrix, channel_prefix, recv_channel_prefix, recv_src, in_rank, _ = handle
-        R, C = self.topology.num_ranks, channel_prefix.shape[1]
-        prefix = torch.zeros(R + 1, dtype=torch.int32, device=self.device)
-        prefix[1:] = rank_prefix_matrix[:, self.topology.rank]
-        per_source = prefix[1:] - prefix[:-1]
-        ends = torch.cat([recv_channel_prefix[:, 1:], per_source.view(R, 1)], dim=1)
-        plan = _Plan(_before(in_rank), (ends - recv_channel_prefix).to(torch.int32),
-                     (prefix[:R].view(R, 1) + recv_channel_prefix).to(torch.int32), prefix, C)
-        self._remember(handle[3], plan)
+        if plan is None:
+            plan = plan_from_handle(handle, self.topology.rank)
+            self._remember(handle[3], plan)
         return plan
 
     # ---- layout ----------------------------------------------------------------------------------------
@@ -338,6 +330,18 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def _dummy(device: torch.device) -> torch.Tensor:
     return torch.empty((1,), dtype=torch.int32, device=device)
+
+
+def plan_from_handle(handle, rank: int) -> _Plan:
+    """Where every row of a dispatch went, from its intranode handle alone (torch operations)."""
+    rank_prefix_matrix, channel_prefix, recv_channel_prefix, _, in_rank, _ = handle
+    num_ranks, num_channels = channel_prefix.shape
+    prefix = torch.zeros(num_ranks + 1, dtype=torch.int32, device=in_rank.device)
+    prefix[1:] = rank_prefix_matrix[:, rank]
+    per_source = prefix[1:] - prefix[:-1]
+    ends = torch.cat([recv_channel_prefix[:, 1:], per_source.view(num_ranks, 1)], dim=1)
+    return _Plan(_before(in_rank), (ends - recv_channel_prefix).to(torch.int32),
+                 (prefix[:num_ranks].view(num_ranks, 1) + recv_channel_prefix).to(torch.int32), prefix, num_channels)
 
 
 def _split(flat: torch.Tensor, shapes):

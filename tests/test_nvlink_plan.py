@@ -1,0 +1,45 @@
+"""The NVLink transport's bookkeeping that needs no GPU: rebuilding where every row went from a handle
+(the path a handle of another Buffer takes), against the independent model."""
+import pytest
+import torch
+
+import model
+from randomness import base_seed, generator
+from test_normal import make_routing
+from deep_ep.transport.nvlink import plan_from_handle
+
+
+@pytest.mark.parametrize("num_ranks,num_channels", [(2, 3), (3, 5), (4, 1)])
+def test_plan_from_handle_matches_the_model(num_ranks, num_channels):
+    seed = base_seed()
+    experts = 4 * num_ranks
+    sources = []
+    for s in range(num_ranks):
+        gen = generator(seed, "plan", s)
+        num_tokens = int(torch.randint(0, 40, (1,), generator=gen))
+        idx, weights = make_routing(gen, num_tokens, 3, experts, mask_frac=0.2)
+        x = torch.randn(num_tokens, 16, generator=gen).to(torch.bfloat16)
+        sources.append(model.Source(x, idx, weights, model.layout(idx, experts, num_ranks, None)))
+    for g in range(num_ranks):
+        result = model.dispatch(sources, g, experts, num_channels=num_channels)
+        handle = tuple(result.handle[name] for name in model.INTRANODE_HANDLE_FIELDS)
+        plan = plan_from_handle(handle, g)
+        # expected, from the received rows (source, token) in order
+        count = torch.zeros(num_ranks, num_channels, dtype=torch.int32)
+        base = torch.full((num_ranks, num_channels), -1, dtype=torch.int32)
+        for i, (s, t) in enumerate(result.rows):
+            q = model.channel_of_token(sources[s].num_tokens, num_channels)[t]
+            if base[s, q] < 0:
+                base[s, q] = i
+            count[s, q] += 1
+        rows_per_source = torch.tensor([sum(1 for s, _ in result.rows if s == r) for r in range(num_ranks)])
+        prefix = torch.cat([torch.zeros(1, dtype=torch.int64), rows_per_source.cumsum(0)]).to(torch.int32)
+        msg = f"seed {seed}, rank {g}"
+        assert torch.equal(plan.prefix, prefix), msg
+        assert torch.equal(plan.recv_count, count), msg
+        filled = base >= 0
+        assert torch.equal(plan.recv_base[filled], base[filled]), msg
+        assert plan.num_channels == num_channels
+        in_rank = handle[4].to(torch.int32)
+        before = torch.cat([torch.zeros(1, num_ranks, dtype=torch.int32), in_rank.cumsum(0).to(torch.int32)])
+        assert torch.equal(plan.before, before), msg
