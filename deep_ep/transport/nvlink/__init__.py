@@ -40,10 +40,13 @@ def _ctrl_bytes(num_ranks: int) -> int:
     return _round_up((num_ranks + 4 * num_ranks * CMAX) * 8, _ALIGN)
 
 
+def _record_max(num_ranks: int) -> int:
+    return 2 + num_ranks + MAX_EXPERTS_PER_RANK + CMAX   # see notify.py
+
+
 def header_bytes(num_ranks: int) -> int:
     """Bytes of the NVLink buffer before the rings: counters and notify records."""
-    record_max = num_ranks + MAX_EXPERTS_PER_RANK + CMAX + 2   # see dispatch()
-    return _round_up(_ctrl_bytes(num_ranks) + 2 * num_ranks * record_max * 4, _ALIGN)
+    return _round_up(_ctrl_bytes(num_ranks) + 2 * num_ranks * _record_max(num_ranks) * 4, _ALIGN)
 
 
 def _next_pow2(value: int) -> int:
@@ -74,6 +77,7 @@ class NVLinkTransport(Transport):
         self.notify_word, self.tail_word = 0, R
         self.head_word, self.sent_word, self.recvd_word = R + R * CMAX, R + 2 * R * CMAX, R + 3 * R * CMAX
         self.record_word = _ctrl_bytes(R) // 4
+        self.record_max = _record_max(R)
         self.ring_word = header_bytes(R) // 4
         # [counters and records | rings]: the rings are the `num_nvl_bytes` users see (get_local_buffer_tensor);
         # what they write there only meets rows in transit, never the counters
@@ -166,7 +170,8 @@ class NVLinkTransport(Transport):
         self._begin(C)
         geometry = self._dispatch_geometry(x, x_scales, topk_idx, C)
         signature = _signature("dispatch", x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1],
-                               0 if topk_idx is None else topk_idx.shape[1], topk_weights is not None, C, num_experts)
+                               0 if topk_idx is None else topk_idx.shape[1], topk_weights is not None, C, num_experts,
+                               self.total_words)
         before = torch.empty((num_tokens + 1, R), dtype=torch.int32, device=dev)
         send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=dev)
         channel_counts = torch.empty((R, C), dtype=torch.int32, device=dev)
@@ -176,12 +181,12 @@ class NVLinkTransport(Transport):
         prepare_kernel[(R + 1,)](in_rank, num_tokens_per_rank, ids, self.layout_bad, before, send_head, channel_counts,
                                  mismatch, checks, self.epoch, num_tokens, 0 if topk_idx is None else topk_idx.numel(),
                                  num_experts, C, R=R, BLOCK=1024, BLOCK_C=_next_pow2(C), num_warps=4)
-        record_len = R + experts_per_rank + C + 2
+        record_len = 2 + R + experts_per_rank + C
         received = torch.empty((R, record_len), dtype=torch.int32, device=dev)
         notify_kernel[(R,)](before[num_tokens], num_tokens_per_expert, channel_counts, mismatch, checks, signature,
                             received, self.peers.bases, self.notify_word, self.record_word, self.epoch, self.status,
                             rank, self.timeout_ns, experts_per_rank, C, R=R, REC=record_len,
-                            BLOCK=_next_pow2(record_len), BLOCK_R=_next_pow2(R), num_warps=4)
+                            STRIDE=self.record_max, BLOCK=_next_pow2(record_len), BLOCK_R=_next_pow2(R), num_warps=4)
         tables = torch.empty(R + 1 + 4 * R * C + R * R, dtype=torch.int32, device=dev)
         prefix, recv_count, recv_base, recv_channel_prefix, channel_prefix, rank_prefix_matrix = _split(
             tables, [(R + 1,), (R, C), (R, C), (R, C), (R, C), (R, R)])
@@ -255,6 +260,8 @@ class NVLinkTransport(Transport):
         topo, dev = self.topology, self.device
         R, C = topo.num_ranks, plan.num_channels
         hidden_words, scale_words, topk, id_offset, slot_words, ring_words, ring_slots, batch = geometry
+        if x.data_ptr() % 16:
+            x = x.clone()      # the kernel moves rows in 16-byte vectors
         words = x.view(torch.uint8).view(-1).view(torch.int32) if x.numel() else _dummy(dev)
         scales = None if x_scales is None else x_scales.contiguous()
         recv_x = x.new_empty((num_rows, x.shape[1]))
@@ -300,7 +307,8 @@ class NVLinkTransport(Transport):
             x, dummy if topk_weights is None else topk_weights, in_rank.view(torch.int8), plan.before, plan.recv_count,
             plan.recv_base, plan.prefix, dummy if bias0 is None else bias0, dummy if bias1 is None else bias1,
             combined, dummy if combined_weights is None else combined_weights, self.peers.bases, self.status,
-            num_tokens, x.shape[0], topo.rank, self.tail_word, self.head_word, self.sent_word, self.recvd_word, self.ring_word,
+            num_tokens, x.shape[0], topo.rank, self.tail_word, self.head_word, self.sent_word, self.recvd_word,
+            self.ring_word,
             ring_words, slot_words, ring_slots, batch, self.timeout_ns, C=C, CMAX=CMAX, R=R, H=hidden, K=topk,
             X_OFF=x_offset, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None, BLOCK_H=_next_pow2(hidden),
             BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R), ROWS=_rows_per_step(hidden, COMBINE_TILE),

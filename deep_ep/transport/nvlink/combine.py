@@ -23,7 +23,8 @@ from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, publish, report_timeout, wait_
 
 @triton.jit
 def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, recv_base_ptr, prefix_ptr, bias0_ptr,
-                   bias1_ptr, out_ptr, out_weights_ptr, bases_ptr, status_ptr, num_tokens, num_rows, rank, tail_word, head_word,
+                   bias1_ptr, out_ptr, out_weights_ptr, bases_ptr, status_ptr, num_tokens, num_rows, rank, tail_word,
+                   head_word,
                    sent_word, recvd_word, ring_word, ring_words, slot_words, ring_slots, batch, timeout_ns,
                    C: tl.constexpr, CMAX: tl.constexpr, R: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                    X_OFF: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -61,11 +62,11 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
                     n = tl.sum(tl.where(ro == s, step, 0))
                     first = tl.sum(tl.where(ro == s, sent0 + sent, 0))
                     row0 = tl.sum(tl.where(ro == s, row_base + sent, 0))
-                    ring = tl.load(bases_ptr + s) + 4 * (ring_word + (rank * C + q) * ring_words)
+                    ring = tl.load(bases_ptr + s) + 4 * (ring_word + (rank * C + q).to(tl.int64) * ring_words)
                     for i in range(0, n, ROWS):
                         rows = row0 + i + to
                         live = i + to < n
-                        in_x = live & (rows < num_rows)   # num_worst_tokens: rows past x were dropped
+                        in_x = live & (rows < num_rows) & (rows >= 0)   # num_worst_tokens: rows past x were dropped
                         tile = tl.load(x_ptr + rows[:, None] * H + ho[None, :], mask=in_x[:, None] & (ho[None, :] < H),
                                        other=0.0)
                         slots = tl.multiple_of(ring + 4 * ((first + i + to) % ring_slots) * slot_words, 16)
@@ -119,15 +120,16 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
                         position = tl.load(before_ptr + t64 * R + d, mask=live, other=0).to(tl.int64)
                         if d == rank:
                             rows = self_row0 + position
+                            own_row = take & (rows < num_rows) & (rows >= 0)   # num_worst_tokens: dropped rows
                             total += tl.load(x_ptr + rows[:, None] * H + ho[None, :],
-                                             mask=take[:, None] & (ho[None, :] < H), other=0.0).to(tl.float32)
+                                             mask=own_row[:, None] & (ho[None, :] < H), other=0.0).to(tl.float32)
                             if K > 0:
                                 weight_total += tl.load(weights_ptr + rows[:, None] * K + ko[None, :],
-                                                        mask=take[:, None] & (ko[None, :] < K), other=0.0)
+                                                        mask=own_row[:, None] & (ko[None, :] < K), other=0.0)
                         else:
                             index = (tl.load(ctrl + recvd_word + d * CMAX + q) - tl.load(before_ptr + t0 * R + d)
                                      + position)
-                            slots = tl.multiple_of(own + 4 * (ring_word + (d * C + q) * ring_words
+                            slots = tl.multiple_of(own + 4 * (ring_word + (d * C + q).to(tl.int64) * ring_words
                                                               + (index % ring_slots) * slot_words), 16)
                             sources = slots.to(tl.pointer_type(tl.bfloat16))[:, None] + 2 * X_OFF + ho[None, :]
                             sources = tl.max_contiguous(tl.multiple_of(sources, [1, 16]), [1, BLOCK_H])

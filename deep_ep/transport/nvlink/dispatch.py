@@ -38,6 +38,7 @@ def _store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr, out_s
                    out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, xo, so, ko, XW: tl.constexpr,
                    SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr):
     """Received rows (where `keep`) into the outputs: ids of other ranks' experts become -1, their weights 0."""
+    keep = keep & (rows >= 0)   # rows come from the plan; never write outside the outputs
     rows64 = rows.to(tl.int64)[:, None]
     keep2 = keep[:, None]
     tl.store(_rows_ptr(out_x_ptr.to(tl.int64) + rows.to(tl.int64) * (4 * XW), xo, tl.int32, BLOCK_X), x,
@@ -120,9 +121,10 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                         else:
                             index = (tl.load(ctrl + sent_word + d * CMAX + q) - tl.load(before_ptr + t0 * R + d)
                                      + position)
-                            slots = (tl.load(bases_ptr + d) + 4 * (ring_word + (rank * C + q) * ring_words
+                            slots = (tl.load(bases_ptr + d) + 4 * (ring_word + (rank * C + q).to(tl.int64) * ring_words
                                                                    + (index % ring_slots) * slot_words))
-                            tl.store(_rows_ptr(slots, xo, tl.int32, BLOCK_X), x, mask=send[:, None] & (xo[None, :] < XW))
+                            tl.store(_rows_ptr(slots, xo, tl.int32, BLOCK_X), x,
+                                     mask=send[:, None] & (xo[None, :] < XW))
                             words = slots.to(tl.pointer_type(tl.int32))[:, None]
                             if SW > 0:
                                 tl.store(words + XW + so[None, :], scales, mask=send[:, None] & (so[None, :] < SW))
@@ -157,12 +159,13 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                         n = tl.sum(tl.where(ro == s, avail, 0))
                         first = tl.sum(tl.where(ro == s, recvd0 + taken, 0))
                         row0 = tl.sum(tl.where(ro == s, out_base + taken, 0))
-                        ring = own + 4 * (ring_word + (s * C + q) * ring_words)
+                        ring = own + 4 * (ring_word + (s * C + q).to(tl.int64) * ring_words)
                         for i in range(0, n, ROWS):
                             index = first + i + to
                             live = i + to < n
                             slots = ring + 4 * (index % ring_slots) * slot_words
-                            x = tl.load(_rows_ptr(slots, xo, tl.int32, BLOCK_X), mask=live[:, None] & (xo[None, :] < XW),
+                            x = tl.load(_rows_ptr(slots, xo, tl.int32, BLOCK_X),
+                                        mask=live[:, None] & (xo[None, :] < XW),
                                         cache_modifier=".cg")
                             words = slots.to(tl.pointer_type(tl.int32))[:, None]
                             scales = tl.zeros([ROWS, BLOCK_S], tl.int32)
@@ -172,7 +175,8 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                                 scales = tl.load(words + XW + so[None, :], mask=live[:, None] & (so[None, :] < SW),
                                                  cache_modifier=".cg")
                             if K > 0:
-                                ids = tl.load((words + ID_OFF).to(tl.pointer_type(tl.int64), bitcast=True) + ko[None, :],
+                                ids = tl.load((words + ID_OFF).to(tl.pointer_type(tl.int64), bitcast=True)
+                                              + ko[None, :],
                                               mask=live[:, None] & (ko[None, :] < K), cache_modifier=".cg")
                                 if HAS_W:
                                     weights = tl.load((words + W_OFF).to(tl.pointer_type(tl.float32), bitcast=True)

@@ -1,6 +1,6 @@
 """Dispatch notify: every rank learns each source's counts for this dispatch.
 
-Buffers: each rank's notify area holds two record tables (int32 [2][R][REC]), used alternately by
+Buffers: each rank's notify area holds two record tables (int32 [2][R][STRIDE]), used alternately by
 successive notifies (parity of the notify epoch e, a device counter advanced by every non-cached dispatch).
 Protocol (one program per peer d): program d of rank s stores s's record for d into table e % 2, row s, of
 d's notify area, fences, and raises d's NOTIFY[s] to e. Then it waits until this rank's NOTIFY[d] reaches e
@@ -17,27 +17,32 @@ from .sync import WAIT_NOTIFY, fence_sys, wait_at_least
 @triton.jit
 def notify_kernel(colsum_ptr, per_expert_ptr, channel_counts_ptr, mismatch_ptr, checks_ptr, signature, received_ptr,
                   bases_ptr, notify_flag_word, notify_word, epoch_ptr, status_ptr, rank, timeout_ns, experts_per_rank,
-                  C, R: tl.constexpr, REC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Record for d: [tokens per destination (R) | tokens per expert of d | tokens for d per channel (C) |
-    signature of the call's shapes | flags of invalid input (plan.prepare_kernel)]."""
+                  C, R: tl.constexpr, REC: tl.constexpr, STRIDE: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+    """Record for d: [signature of the call's shapes | flags of invalid input (plan.prepare_kernel) | tokens
+    per destination (R) | tokens per expert of d | tokens for d per channel (C)]. Rows of the tables are
+    STRIDE apart and start with the signature, so ranks that disagree on the shapes still read each
+    other's signatures."""
     dest = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
-    table = notify_word + (epoch % 2) * R * REC
+    table = notify_word + (epoch % 2) * R * STRIDE
     offs = tl.arange(0, BLOCK)
     in_record = offs < REC
-    values = tl.load(colsum_ptr + offs, mask=offs < R, other=0)
-    e = offs - R
+    r = offs - 2
+    values = tl.load(colsum_ptr + r, mask=(r >= 0) & (r < R), other=0)
+    e = r - R
     is_expert = (e >= 0) & (e < experts_per_rank)
     values = tl.where(is_expert, tl.load(per_expert_ptr + dest * experts_per_rank + e, mask=is_expert, other=0), values)
     c = e - experts_per_rank
     is_channel = (c >= 0) & (c < C)
     values = tl.where(is_channel, tl.load(channel_counts_ptr + dest * C + c, mask=is_channel, other=0), values)
     ro = tl.arange(0, BLOCK_R)
-    flags = tl.load(checks_ptr) | 4 * (tl.sum(tl.load(mismatch_ptr + ro, mask=ro < R, other=0), axis=0) > 0).to(tl.int64)
-    values = tl.where(offs == REC - 2, signature, values)
-    values = tl.where(offs == REC - 1, flags.to(tl.int32), values)
+    mismatched = tl.sum(tl.load(mismatch_ptr + ro, mask=ro < R, other=0), axis=0) > 0
+    flags = tl.load(checks_ptr) | 4 * mismatched.to(tl.int64)
+    values = tl.where(offs == 0, signature, values)
+    values = tl.where(offs == 1, flags.to(tl.int32), values)
     peer = tl.load(bases_ptr + dest)
-    tl.store(peer.to(tl.pointer_type(tl.int32)) + table + rank * REC + offs, values, mask=in_record)
+    tl.store(peer.to(tl.pointer_type(tl.int32)) + table + rank * STRIDE + offs, values, mask=in_record)
     tl.debug_barrier()
     fence_sys()
     tl.atomic_xchg(peer.to(tl.pointer_type(tl.int64)) + notify_flag_word + rank, epoch, sem="release", scope="sys")
@@ -47,5 +52,5 @@ def notify_kernel(colsum_ptr, per_expert_ptr, channel_counts_ptr, mismatch_ptr, 
                           dest + lane, timeout_ns, status_ptr, WAIT_NOTIFY)
     if ok:
         tl.debug_barrier()
-        got = tl.load(own.to(tl.pointer_type(tl.int32)) + table + dest * REC + offs, mask=in_record, volatile=True)
+        got = tl.load(own.to(tl.pointer_type(tl.int32)) + table + dest * STRIDE + offs, mask=in_record, volatile=True)
         tl.store(received_ptr + dest * REC + offs, got, mask=in_record)

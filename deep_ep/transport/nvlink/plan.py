@@ -65,15 +65,15 @@ def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, re
                 channel_prefix_ptr, recv_channel_prefix_ptr, payload_ptr, checks_ptr, rank, experts_per_rank,
                 expert_alignment, REC: tl.constexpr, R: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Record of source s (received[s]): [tokens per destination (R) | its tokens per expert of this rank
-    (E_loc) | its tokens for this rank per channel (C) | signature | flags]."""
+    """Record of source s (received[s]): [signature | flags | tokens per destination (R) | its tokens per
+    expert of this rank (E_loc) | its tokens for this rank per channel (C)]."""
     rs = tl.arange(0, BLOCK_R)
     rd = tl.arange(0, BLOCK_R)
     qs = tl.arange(0, BLOCK_C)
     es = tl.arange(0, BLOCK_E)
     rmask = rs < R
     # rank_prefix_matrix[s, d] = sum over s' <= s of tokens s' sends to d
-    sent = tl.load(received_ptr + rs[:, None] * REC + rd[None, :], mask=rmask[:, None] & (rd[None, :] < R), other=0)
+    sent = tl.load(received_ptr + rs[:, None] * REC + 2 + rd[None, :], mask=rmask[:, None] & (rd[None, :] < R), other=0)
     rank_prefix = tl.cumsum(sent, axis=0)
     tl.store(rank_prefix_ptr + rs[:, None] * R + rd[None, :], rank_prefix, mask=rmask[:, None] & (rd[None, :] < R))
     mine = tl.sum(tl.where(rd[None, :] == rank, sent, 0), axis=1)          # [R] rows from each source
@@ -82,7 +82,8 @@ def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, re
     tl.store(prefix_ptr, 0)
     # per (source, channel): counts, exclusive prefix within the source, first output row
     cmask = rmask[:, None] & (qs[None, :] < C)
-    counts = tl.load(received_ptr + rs[:, None] * REC + R + experts_per_rank + qs[None, :], mask=cmask, other=0)
+    counts = tl.load(received_ptr + rs[:, None] * REC + 2 + R + experts_per_rank + qs[None, :], mask=cmask,
+                     other=0)
     exclusive = tl.cumsum(counts, axis=1) - counts
     tl.store(recv_count_ptr + rs[:, None] * C + qs[None, :], counts, mask=cmask)
     tl.store(recv_channel_prefix_ptr + rs[:, None] * C + qs[None, :], exclusive, mask=cmask)
@@ -92,14 +93,15 @@ def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, re
     tl.store(channel_prefix_ptr + rs[:, None] * C + qs[None, :], tl.cumsum(own, axis=1), mask=cmask)
     # host payload (int64): [rows received | per local expert, aligned | signatures (R) | flags (R) | checks (4)]
     emask = es < experts_per_rank
-    per_expert = tl.sum(tl.load(received_ptr + rs[:, None] * REC + R + es[None, :], mask=rmask[:, None] & emask[None, :],
+    per_expert = tl.sum(tl.load(received_ptr + rs[:, None] * REC + 2 + R + es[None, :],
+                                mask=rmask[:, None] & emask[None, :],
                                 other=0), axis=0)
     aligned = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
     tl.store(payload_ptr, tl.sum(mine, axis=0).to(tl.int64))
     tl.store(payload_ptr + 1 + es, aligned.to(tl.int64), mask=emask)
     tail = payload_ptr + 1 + experts_per_rank
-    signatures = tl.load(received_ptr + rs * REC + REC - 2, mask=rmask, other=0)
-    flags = tl.load(received_ptr + rs * REC + REC - 1, mask=rmask, other=0)
+    signatures = tl.load(received_ptr + rs * REC, mask=rmask, other=0)
+    flags = tl.load(received_ptr + rs * REC + 1, mask=rmask, other=0)
     tl.store(tail + rs, signatures.to(tl.int64), mask=rmask)
     tl.store(tail + R + rs, flags.to(tl.int64), mask=rmask)
     four = tl.arange(0, 4)
