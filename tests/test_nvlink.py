@@ -34,7 +34,7 @@ def _same(errors: List[str], what: str, got, expected, rows: Optional[int] = Non
         errors.append(f"{what}: differs from the reference at {diff.shape[0]} places, first {diff[0].tolist()}")
 
 
-def _inputs(seed: int, shape: Dict[str, Any], rank: int, num_ranks: int, device):
+def _inputs(seed: int, shape: Dict[str, Any], rank: int, device):
     gen = generator(seed, shape["name"], rank)
     num_tokens, num_experts = shape["tokens"][rank], shape["experts"]
     idx, weights = make_routing(gen, num_tokens, shape["topk"], num_experts, shape.get("routing", "uniform"),
@@ -55,7 +55,7 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]], num_nvl_bytes: Opt
         nvl = num_nvl_bytes or config.get_nvl_buffer_size_hint(shape["hidden"] * 2, ctx.world_size)
         fast = Buffer(ctx.group, nvl, 0, transport="nvlink", explicitly_destroy=True, timeout_s=60)
         ref = Buffer(ctx.group, nvl, 0, transport="reference", explicitly_destroy=True, timeout_s=60)
-        x, x_fp8, idx, weights, bias = _inputs(seed, shape, ctx.rank, ctx.world_size, ctx.device)
+        x, x_fp8, idx, weights, bias = _inputs(seed, shape, ctx.rank, ctx.device)
         name = f"rank {ctx.rank} {shape['name']}"
         layouts = [b.get_dispatch_layout(idx, shape["experts"])[:4] for b in (fast, ref)]
         for i, field in enumerate(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",

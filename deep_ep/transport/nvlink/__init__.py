@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import weakref
+import zlib
 from typing import Dict, NamedTuple, Optional
 
 import torch
@@ -152,7 +153,7 @@ class NVLinkTransport(Transport):
         counts = torch.zeros(R + num_experts, dtype=torch.int32, device=self.device)
         in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=self.device)
         block_t = 64
-        programs = max(1, min(triton_cdiv(num_tokens, block_t), LAYOUT_PROGRAMS))
+        programs = max(1, min(-(-num_tokens // block_t), LAYOUT_PROGRAMS))
         layout_kernel[(programs,)](topk_idx, counts, counts[R:], in_rank.view(torch.int8), self.layout_bad,
                                    num_tokens, num_experts, num_experts // R, K=topk, R=R, BLOCK_T=block_t,
                                    BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R), num_warps=4)
@@ -332,10 +333,6 @@ def _rows_per_step(row_elements: int, tile_elements: int) -> int:
     return max(1, min(8, _next_pow2(tile_elements // _next_pow2(max(row_elements, 1)) + 1) // 2))
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _dummy(device: torch.device) -> torch.Tensor:
     return torch.empty((1,), dtype=torch.int32, device=device)
 
@@ -374,8 +371,4 @@ def _before(is_token_in_rank: torch.Tensor) -> torch.Tensor:
 
 def _signature(*fields) -> int:
     """An int32 that differs when ranks call with different shapes (compared across ranks)."""
-    value = 0
-    for field in fields:
-        for byte in repr(field).encode():
-            value = (value * 131 + byte) % 2147483629
-    return value
+    return zlib.crc32(repr(fields).encode()) & 0x7FFFFFFF
