@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-ranks", "2", "--device", "cpu", "--tokens", "64", "--hidden", "256", "--topk", "4",
         "--experts", "8", "--ll-tokens", "16", "--ll-experts", "8", "--warmup", "1", "--iters", "2"]
-ALL_OPS = {"layout", "dispatch_bf16", "dispatch_fp8", "dispatch_cached", "combine",
+ALL_OPS = {"layout", "dispatch_bf16", "dispatch_fp8", "dispatch_cached", "dispatch_cached_fp8", "combine",
            "ll_dispatch_fp8", "ll_dispatch_bf16", "ll_combine"}
 
 
@@ -41,7 +41,7 @@ def test_bench_json_cpu():
     assert config["transport"] and config["tokens"] == 64 and config["hidden"] == 256
     assert set(report["ops"]) == ALL_OPS
     for name, op in report["ops"].items():
-        assert op["time_us"] > 0 and op["time_us_max_rank"] >= op["time_us"], name
+        assert op["time_us"] > 0 and op["time_us_max_rank"] >= op["time_us"] and op["isolated_us"] > 0, name
         assert len(op["time_us_per_rank"]) == 2 and all(t > 0 for t in op["time_us_per_rank"]), name
         if name == "layout":
             assert op["bytes"] is None and op["baseline"] is None
@@ -52,6 +52,7 @@ def test_bench_json_cpu():
     # DeepEP's logical bytes: FP8 dispatch = BF16 bytes * (1 + 4/128) / 2; combine = BF16 dispatch bytes
     ops = report["ops"]
     assert ops["dispatch_fp8"]["bytes"] == int(ops["dispatch_bf16"]["bytes"] * (1 + 4 / 128) / 2)
+    assert ops["dispatch_cached_fp8"]["bytes"] == ops["dispatch_fp8"]["bytes"]
     assert ops["combine"]["bytes"] == ops["dispatch_bf16"]["bytes"] == ops["dispatch_cached"]["bytes"]
     assert ops["ll_combine"]["bytes"] == ops["ll_dispatch_bf16"]["bytes"]
     selections = ops["ll_dispatch_bf16"]["bytes"] // (2 * 256)

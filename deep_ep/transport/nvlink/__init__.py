@@ -30,7 +30,6 @@ from ..reference import ReferenceTransport
 CMAX = 64                      # most channels (num_sms / 2) an operation may use
 MAX_EXPERTS_PER_RANK = 1024
 BATCH = int(os.environ.get("DEEP_EP_NVLINK_BATCH", "128"))   # tokens (rows per ring) per flow-control step
-LAYOUT_PROGRAMS = 16
 NUM_WARPS = int(os.environ.get("DEEP_EP_NVLINK_NUM_WARPS", "16"))
 DISPATCH_TILE = int(os.environ.get("DEEP_EP_NVLINK_DISPATCH_TILE", "16384"))   # int32 words per step
 COMBINE_TILE = int(os.environ.get("DEEP_EP_NVLINK_COMBINE_TILE", "16384"))     # bf16 values per step
@@ -147,16 +146,17 @@ class NVLinkTransport(Transport):
 
     # ---- layout ----------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
-        from .layout import layout_kernel
+        from .layout import HISTOGRAM_MAX, layout_kernel
         R = self.topology.num_ranks
         num_tokens, topk = topk_idx.shape
         counts = torch.zeros(R + num_experts, dtype=torch.int32, device=self.device)
         in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=self.device)
-        block_t = 64
-        programs = max(1, min(-(-num_tokens // block_t), LAYOUT_PROGRAMS))
-        layout_kernel[(programs,)](topk_idx, counts, counts[R:], in_rank.view(torch.int8), self.layout_bad,
-                                   num_tokens, num_experts, num_experts // R, K=topk, R=R, BLOCK_T=block_t,
-                                   BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R), num_warps=4)
+        if num_tokens:
+            block_t = 64
+            layout_kernel[(-(-num_tokens // block_t),)](
+                topk_idx, counts, counts[R:], in_rank.view(torch.int8), self.layout_bad, num_tokens, num_experts,
+                num_experts // R, K=topk, R=R, BLOCK_T=block_t, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
+                BLOCK_E=_next_pow2(num_experts + 1) if num_experts <= HISTOGRAM_MAX else 0, num_warps=4)
         return counts[:R], None, counts[R:], in_rank
 
     # ---- dispatch ------------------------------------------------------------------------------------------

@@ -1,36 +1,44 @@
 """get_dispatch_layout as one kernel (local, no communication, no host wait).
 
-Programs take blocks of BLOCK_T tokens. For each token: the ranks its valid expert ids (in [0, E)) belong to
-(is_token_in_rank), and for each valid id one count for its expert. Per-rank and per-expert counts are
-added to zero-initialised outputs with atomics. Ids outside [-1, E) count as no selection and are recorded
-in `bad` (count, one offending value) for the host to report at its next wait.
+One program per block of BLOCK_T tokens. It marks the ranks that a token's valid expert ids (in [0, E))
+belong to (is_token_in_rank), counts its block's valid ids per expert with a histogram (invalid entries
+land in the spare bin E; with more than HISTOGRAM_MAX experts, one atomic per selection), and adds the block's per-rank and per-expert counts to the zero-initialised
+outputs with relaxed atomics (only the final sums are read, after the kernel). Ids outside [-1, E) count
+as no selection and are recorded in `bad` (count, one offending value) for the host to report at its next
+wait.
 """
 import triton
 import triton.language as tl
+
+HISTOGRAM_MAX = 2047   # most experts counted with a histogram (BLOCK_E = next power of two above E)
 
 
 @triton.jit
 def layout_kernel(idx_ptr, per_rank_ptr, per_expert_ptr, in_rank_ptr, bad_ptr, num_tokens, num_experts,
                   experts_per_rank, K: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
-    to = tl.arange(0, BLOCK_T)
+                  BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ko = tl.arange(0, BLOCK_K)
     ro = tl.arange(0, BLOCK_R)
-    for block in range(tl.program_id(0) * BLOCK_T, num_tokens, tl.num_programs(0) * BLOCK_T):
-        tokens = block + to
-        live = tokens < num_tokens
-        mask = live[:, None] & (ko[None, :] < K)
-        ids = tl.load(idx_ptr + tokens.to(tl.int64)[:, None] * K + ko[None, :], mask=mask, other=-1)
-        valid = mask & (ids >= 0) & (ids < num_experts)
-        bad = mask & ((ids < -1) | (ids >= num_experts))
-        num_bad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
-        if num_bad > 0:
-            tl.atomic_add(bad_ptr, num_bad.to(tl.int64))
-            tl.atomic_xchg(bad_ptr + 1, tl.max(tl.max(tl.where(bad, ids, -(1 << 40)), axis=1), axis=0))
-        tl.atomic_add(per_expert_ptr + tl.where(valid, ids, 0), 1, mask=valid)
-        owner = tl.where(valid, ids // experts_per_rank, R)
-        hits = tl.max((owner[:, :, None] == ro[None, None, :]).to(tl.int32), axis=1)
-        hits = tl.where(live[:, None] & (ro[None, :] < R), hits, 0)
-        tl.store(in_rank_ptr + tokens.to(tl.int64)[:, None] * R + ro[None, :], hits.to(tl.int8),
-                 mask=live[:, None] & (ro[None, :] < R))
-        tl.atomic_add(per_rank_ptr + ro, tl.sum(hits, axis=0), mask=ro < R)
+    live = tokens < num_tokens
+    mask = live[:, None] & (ko[None, :] < K)
+    ids = tl.load(idx_ptr + tokens.to(tl.int64)[:, None] * K + ko[None, :], mask=mask, other=-1)
+    valid = mask & (ids >= 0) & (ids < num_experts)
+    bad = mask & ((ids < -1) | (ids >= num_experts))
+    num_bad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+    if num_bad > 0:
+        tl.atomic_add(bad_ptr, num_bad.to(tl.int64), sem="relaxed")
+        tl.atomic_xchg(bad_ptr + 1, tl.max(tl.max(tl.where(bad, ids, -(1 << 40)), axis=1), axis=0), sem="relaxed")
+    if BLOCK_E > 0:
+        bins = tl.where(valid, ids, num_experts).to(tl.int32)
+        per_expert = tl.histogram(tl.reshape(bins, [BLOCK_T * BLOCK_K]), BLOCK_E)
+        eo = tl.arange(0, BLOCK_E)
+        tl.atomic_add(per_expert_ptr + eo, per_expert, mask=(eo < num_experts) & (per_expert > 0), sem="relaxed")
+    else:   # too many experts for a histogram in registers: one atomic per selection
+        tl.atomic_add(per_expert_ptr + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed")
+    owner = tl.where(valid, ids // experts_per_rank, R)
+    hits = tl.max((owner[:, :, None] == ro[None, None, :]).to(tl.int32), axis=1)
+    in_range = live[:, None] & (ro[None, :] < R)
+    hits = tl.where(in_range, hits, 0)
+    tl.store(in_rank_ptr + tokens.to(tl.int64)[:, None] * R + ro[None, :], hits.to(tl.int8), mask=in_range)
+    tl.atomic_add(per_rank_ptr + ro, tl.sum(hits, axis=0), mask=ro < R, sem="relaxed")
