@@ -12,25 +12,24 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 git rev-parse --short HEAD 2>/dev/null || true
 
 bench_status=0
-for sms in 24 16 8; do
-    mode=normal
-    [ "$sms" = 24 ] && mode=all
-    python3 -m deep_ep.bench --mode "$mode" --num-sms "$sms" --json > "$out/bench_sms$sms.json" 2> "$out/bench_sms$sms.txt" \
-        || bench_status=$?
+python3 -m deep_ep.bench --mode all --num-sms 24 --json > "$out/bench_sms24.json" 2> "$out/bench_sms24.txt" \
+    || bench_status=$?
+for sms in 16 8; do
+    python3 -m deep_ep.bench --mode normal --num-sms "$sms" > "$out/bench_sms$sms.txt" 2>&1 || bench_status=$?
 done
 
 # the NVLink tests first (they matter most and the whole suite may not fit one call), then the rest
-DEEP_EP_TEST_DEVICE=cuda timeout "${1:-240}" python3 -m pytest -p no:cacheprovider -q --tb=short tests/test_nvlink.py \
+DEEP_EP_TEST_DEVICE=cuda timeout "${1:-240}" python3 -m pytest -p no:cacheprovider -v --tb=short tests/test_nvlink.py \
     > "$out/tests_nvlink.log" 2>&1
 nvlink_status=$?
 DEEP_EP_TEST_DEVICE=cuda timeout "${2:-240}" python3 -m pytest -p no:cacheprovider -q --tb=short tests \
     --ignore=tests/test_nvlink.py > "$out/tests.log" 2>&1
 test_status=$?
 for log in tests_nvlink tests; do
-    grep -v "CudaIPCTypes" "$out/$log.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 12
+    grep -v "CudaIPCTypes" "$out/$log.log" | grep -E "^(FAILED|ERROR)|PASSED|passed|failed" | tail -n 12
 done
 
 for sms in 24 16 8; do
-    grep -v '^\[' "$out/bench_sms$sms.txt" | grep -v CudaIPCTypes | tail -n 13
+    grep -v '^\[' "$out/bench_sms$sms.txt" | grep -v CudaIPCTypes | tail -n 15
 done
 echo "NVLink tests exit $nvlink_status, other tests exit $test_status, bench exit $bench_status"

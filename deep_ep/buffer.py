@@ -92,6 +92,9 @@ class Buffer:
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device) if enable_shrink else None
         self._comm_stream = CommStream(self.device)
         self._slots = LowLatencySlots()
+        # the last handle checked and its results per (num_tokens, num_channels): a handle reused call after
+        # call is checked once (this keeps that one handle alive until another is checked)
+        self._checked_handle: Tuple[Optional[tuple], dict] = (None, {})
         self._transport = select_transport(requested_transport, self._group, self.topology, self.device,
                                            num_nvl_bytes, timeout_s)
         # the NVLink transport owns its buffer (its counters sit outside the part users can see)
@@ -110,6 +113,7 @@ class Buffer:
         self._transport.destroy()
         self._group.barrier("destroy")
         self._nvl_buffer = self._rdma_buffer = None
+        self._checked_handle = (None, {})
         self.runtime = None
 
     def _live(self, what: str) -> None:
@@ -679,6 +683,9 @@ class Buffer:
 
     def _check_handle(self, name: str, handle, num_tokens: Optional[int], num_channels: int) -> Tuple[int, int]:
         """Check a normal-mode handle; returns (tokens of the source batch, received rows)."""
+        checked, results = self._checked_handle
+        if checked is handle and (num_tokens, num_channels) in results:
+            return results[(num_tokens, num_channels)]
         num_ranks, topo = self.group_size, self.topology
         expected_len = 10 if topo.is_internode else 6
         if not isinstance(handle, tuple) or len(handle) != expected_len:
@@ -706,7 +713,11 @@ class Buffer:
             check_tensor(f"{name}[{index}]", tensor, device=self.device, dtype=torch.int32, shape=shape)
         if not isinstance(rows_tensor, torch.Tensor) or rows_tensor.dim() < 1:
             raise ValueError(f"{name} does not hold the received rows")
-        return is_token_in_rank.shape[0], rows_tensor.shape[0]
+        if checked is not handle:
+            self._checked_handle = (handle, {})
+        result = (is_token_in_rank.shape[0], rows_tensor.shape[0])
+        self._checked_handle[1][(num_tokens, num_channels)] = result
+        return result
 
     def __repr__(self) -> str:
         state = "destroyed" if self.runtime is None else self.transport_name

@@ -29,10 +29,10 @@ from ..reference import ReferenceTransport
 
 CMAX = 64                      # most channels (num_sms / 2) an operation may use
 MAX_EXPERTS_PER_RANK = 1024
-BATCH = int(os.environ.get("DEEP_EP_NVLINK_BATCH", "128"))   # tokens (rows per ring) per flow-control step
+BATCH = int(os.environ.get("DEEP_EP_NVLINK_BATCH", "64"))   # tokens (rows per ring) per flow-control step
 NUM_WARPS = int(os.environ.get("DEEP_EP_NVLINK_NUM_WARPS", "16"))
 DISPATCH_TILE = int(os.environ.get("DEEP_EP_NVLINK_DISPATCH_TILE", "16384"))   # int32 words per step
-COMBINE_TILE = int(os.environ.get("DEEP_EP_NVLINK_COMBINE_TILE", "16384"))     # bf16 values per step
+COMBINE_TILE = int(os.environ.get("DEEP_EP_NVLINK_COMBINE_TILE", "32768"))     # bf16 values per step
 _ALIGN = 256
 
 
@@ -89,6 +89,7 @@ class NVLinkTransport(Transport):
         self.peers = PeerBuffers(memory, group)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.status = torch.zeros(4, dtype=torch.int32).pin_memory()
+        self._status_words = self.status.numpy()   # the same pinned memory, read without torch overhead
         self.layout_bad = torch.zeros(2, dtype=torch.int64, device=device)
         self.scratch = torch.zeros(4 + R, dtype=torch.int64, device=device)   # value checks of a dispatch
         self.timeout_ns = int(timeout_s * 1e9)
@@ -98,10 +99,10 @@ class NVLinkTransport(Transport):
 
     # ---- bookkeeping -------------------------------------------------------------------------------
     def _check_status(self) -> None:
-        code = int(self.status[0])
+        code = int(self._status_words[0])
         if code:
             from .sync import STATUS_WHAT
-            peer = int(self.status[1])
+            peer = int(self._status_words[1])
             raise CommTimeoutError(f"rank {self.topology.rank}: waited more than {self.timeout_ns / 1e9:g} s for rank "
                                    f"{peer} to send {STATUS_WHAT.get(code, 'a signal')}; this Buffer cannot be used "
                                    "any more")
