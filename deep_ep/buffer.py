@@ -55,7 +55,7 @@ class Buffer:
             enable_shrink: keep a mask of failed ranks that low-latency calls skip.
             comm: an mpi4py communicator, used when `group` is None.
             num_ranks_per_node: ranks per node (contiguous in group order). Default: from the ranks' hosts.
-            transport: "auto" (default, or $DEEP_EP_TRANSPORT) or "reference".
+            transport: "auto" (default, or $DEEP_EP_TRANSPORT), "reference" or "nvlink".
             timeout_s: bound of every wait in seconds (default 100, or $DEEP_EP_TIMEOUT_S).
             device: where the tensors live; default the current CUDA device, else the CPU.
         """
@@ -88,19 +88,22 @@ class Buffer:
         self.num_qps_per_rank = num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode, self.allow_mnnvl, self.use_fabric = (
             allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric)
-        self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device) if enable_shrink else None
         self._comm_stream = CommStream(self.device)
         self._slots = LowLatencySlots()
         # the last handle checked and its results per (num_tokens, num_channels): a handle reused call after
         # call is checked once (this keeps that one handle alive until another is checked)
         self._checked_handle: Tuple[Optional[tuple], dict] = (None, {})
+        low_latency_bytes = num_rdma_bytes if low_latency_mode and allow_nvlink_for_low_latency_mode else 0
         self._transport = select_transport(requested_transport, self._group, self.topology, self.device,
-                                           num_nvl_bytes, timeout_s)
-        # the NVLink transport owns its buffer (its counters sit outside the part users can see)
+                                           num_nvl_bytes, low_latency_bytes, timeout_s)
+        # the NVLink transport owns its buffers (they are mapped into the peers)
         self._nvl_buffer = getattr(self._transport, "local_buffer", None)
         if self._nvl_buffer is None:
             self._nvl_buffer = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device)
+        self._rdma_buffer = getattr(self._transport, "low_latency_buffer", None)
+        if self._rdma_buffer is None:
+            self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
         self.transport_name = self._transport.name
         self.runtime: Optional[object] = self._transport
         self._group.barrier("Buffer construction")
@@ -349,9 +352,12 @@ class Buffer:
         self._live("clean_low_latency_buffer")
         self._require_low_latency("clean_low_latency_buffer")
         self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)   # nothing of this rank in flight once the barrier passes
         self._group.barrier("clean_low_latency_buffer")
         layout = LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._rdma_buffer[:2 * layout.signal_bytes].zero_()
+        self._transport.clean_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._slots.reset()
         self._group.barrier("clean_low_latency_buffer")
 
@@ -386,7 +392,8 @@ class Buffer:
         num_tokens, hidden = self._check_low_latency_x(x, num_max_dispatch_tokens_per_rank)
         self._check_low_latency_flags(async_finish, return_recv_hook)
         experts_per_rank = self._check_num_experts(num_experts)
-        self._check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens, values=True)
+        self._check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens,
+                             values=not self._transport.low_latency_checks_values_on_device)
         if use_fp8 and hidden % 8:
             raise ValueError(f"x: hidden size must be a multiple of 8 for FP8, got {hidden}")
         if use_ue8m0 and not round_scale:
@@ -401,7 +408,7 @@ class Buffer:
 
         def launch():
             return self._transport.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                                        options, self._mask, dispatch_wait_recv_cost_stats)
+                                                        options, self._mask, dispatch_wait_recv_cost_stats, half)
 
         def finish(out):
             if cumulative_local_expert_recv_stats is not None:
@@ -451,7 +458,8 @@ class Buffer:
         if num_tokens > num_max_tokens:
             raise ValueError(f"topk_idx: at most num_max_dispatch_tokens_per_rank={num_max_tokens} rows, got {num_tokens}")
         check_tensor("topk_weights", topk_weights, device=self.device, dtype=torch.float32, shape=tuple(topk_idx.shape))
-        check_expert_ids("topk_idx", topk_idx, num_experts)
+        if not self._transport.low_latency_checks_values_on_device:
+            check_expert_ids("topk_idx", topk_idx, num_experts)
         if out is not None:
             check_tensor("out", out, device=self.device, dtype=torch.bfloat16, shape=(num_tokens, hidden))
         self._check_wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
@@ -464,7 +472,7 @@ class Buffer:
         def launch():
             receive = self._transport.low_latency_combine(source, topk_idx, topk_weights, src_info, layout_range,
                                                           num_max_tokens, use_logfmt, self._mask, result,
-                                                          combine_wait_recv_cost_stats)
+                                                          combine_wait_recv_cost_stats, half)
             return result, receive
 
         _, event, hook = self._run_low_latency(launch, None, half, "low_latency_combine", async_finish,

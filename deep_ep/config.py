@@ -171,3 +171,6 @@ class LowLatencyLayout:
 
     def send_offset(self, half: int) -> int:
         return 2 * self.signal_bytes + half * self.send_bytes
+
+    def recv_offset(self, half: int) -> int:
+        return 2 * (self.signal_bytes + self.send_bytes) + half * self.recv_bytes

@@ -25,25 +25,26 @@ def transport_name(requested: Optional[str]) -> str:
 
 
 def select_transport(name: str, group: Group, topology: Topology, device: torch.device, num_nvl_bytes: int,
-                     timeout_s: float) -> Transport:
+                     num_low_latency_bytes: int, timeout_s: float) -> Transport:
     """The transport `name` (from `transport_name`). "auto": the NVLink transport when every rank of the group
     is on one node, on CUDA devices with peer access to each other, with an NVLink buffer
-    (`num_nvl_bytes` > 0); else the reference transport."""
+    (`num_nvl_bytes` > 0) or a low-latency area it may use (`num_low_latency_bytes` > 0); else the
+    reference transport. The NVLink transport hands the operations it has no buffer for to the reference."""
     if name == "reference":
         return ReferenceTransport(group, topology, device)
-    fits = nvlink_fits(group, topology, device, num_nvl_bytes)
+    fits = nvlink_fits(group, topology, device, num_nvl_bytes + num_low_latency_bytes)
     if name == "nvlink" and not fits:
         raise ValueError("transport='nvlink' needs every rank on one node, on CUDA devices with peer access "
-                         "to each other, Triton installed, and num_nvl_bytes > 0")
+                         "to each other, Triton installed, and num_nvl_bytes > 0 (or a low-latency buffer)")
     if fits:
         from .nvlink import NVLinkTransport
-        return NVLinkTransport(group, topology, device, num_nvl_bytes, timeout_s)
+        return NVLinkTransport(group, topology, device, num_nvl_bytes, num_low_latency_bytes, timeout_s)
     return ReferenceTransport(group, topology, device)
 
 
-def nvlink_fits(group: Group, topology: Topology, device: torch.device, num_nvl_bytes: int) -> bool:
+def nvlink_fits(group: Group, topology: Topology, device: torch.device, num_bytes: int) -> bool:
     """Collective: every rank must agree, so the answer is the AND over the group."""
-    usable = (device.type == "cuda" and not topology.is_internode and num_nvl_bytes > 0
+    usable = (device.type == "cuda" and not topology.is_internode and num_bytes > 0
               and importlib.util.find_spec("triton") is not None)
     devices = group.gather_ints(device.index if usable else -1, "NVLink transport check")
     if any(d < 0 for d in devices):

@@ -48,6 +48,8 @@ class Transport(ABC):
     # True: the transport checks input values (expert ids, layout consistency) itself, without an extra host
     # wait, and reports them by the next call that waits on the host; the Buffer then skips its own checks.
     checks_values_on_device = False
+    # the same for the expert ids of low-latency calls (reported at the next low-latency call)
+    low_latency_checks_values_on_device = False
 
     def __init__(self, group: Group, topology: Topology, device: torch.device) -> None:
         self.group, self.topology, self.device = group, topology, device
@@ -78,16 +80,20 @@ class Transport(ABC):
     @abstractmethod
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
                              options: LowLatencyOptions, mask: Optional[torch.Tensor],
-                             wait_stats: Optional[torch.Tensor]
+                             wait_stats: Optional[torch.Tensor], half: int
                              ) -> Tuple[LowLatencyDispatchOutput, Callable[[], None]]:
-        """Send every selection to its expert's rank; returns the outputs and the receive step."""
+        """Send every selection to its expert's rank; returns the outputs and the receive step. `half`: the
+        buffer half of this call (calls alternate between the two)."""
 
     @abstractmethod
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             src_info: torch.Tensor, layout_range: torch.Tensor, num_max_tokens: int,
                             use_logfmt: bool, mask: Optional[torch.Tensor], out: torch.Tensor,
-                            wait_stats: Optional[torch.Tensor]) -> Callable[[], None]:
+                            wait_stats: Optional[torch.Tensor], half: int) -> Callable[[], None]:
         """Send expert outputs back; the receive step writes the weighted sums into `out`."""
+
+    def clean_low_latency(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
+        """Reset the transport's low-latency state (every rank, between two barriers, nothing in flight)."""
 
     def destroy(self) -> None:
         """Release what the transport holds (collective)."""

@@ -5,8 +5,9 @@
     wait; skipped with num_worst_tokens) -> streaming dispatch kernel;
   cached dispatch, combine: the streaming kernel alone, with the routing kept from the handle.
 The streaming kernels move rows through per-(source, channel) rings with flow control (dispatch.py), so
-any buffer that holds one row per ring works, and nothing waits on the host. Low-latency calls use the
-reference transport.
+any buffer that holds one row per ring works, and nothing waits on the host. Low-latency calls run on a
+second peer-mapped area (low_latency.py). An operation whose buffer size is 0 goes to the reference
+transport.
 
 Buffer layout (identical on every rank; counters int64, records int32):
   [NOTIFY[R] | TAIL[R][CMAX] | HEAD[R][CMAX] | SENT[R][CMAX] | RECVD[R][CMAX] | records [2][R][REC_MAX] | rings]
@@ -68,12 +69,15 @@ class NVLinkTransport(Transport):
     checks_values_on_device = True
 
     def __init__(self, group: Group, topology: Topology, device: torch.device, num_nvl_bytes: int,
-                 timeout_s: float) -> None:
+                 num_low_latency_bytes: int, timeout_s: float) -> None:
         super().__init__(group, topology, device)
+        from .low_latency import NVLinkLowLatency
         from .peer_memory import PeerBuffers
         if topology.is_internode:
             raise ValueError("transport='nvlink' needs every rank of the group on one node")
         self.reference = ReferenceTransport(group, topology, device)
+        self.has_rings = num_nvl_bytes > 0
+        self.checks_values_on_device = self.has_rings
         R = topology.num_ranks
         self.notify_word, self.tail_word = 0, R
         self.head_word, self.sent_word, self.recvd_word = R + R * CMAX, R + 2 * R * CMAX, R + 3 * R * CMAX
@@ -96,6 +100,12 @@ class NVLinkTransport(Transport):
         self.timeout_ns = int(timeout_s * 1e9)
         self._channels: Optional[int] = None
         self._plans: Dict[int, _Plan] = {}   # id(handle[3]) -> plan, forgotten with the handle
+        self.low_latency: Optional[NVLinkLowLatency] = None
+        if num_low_latency_bytes > 0:
+            self.low_latency = NVLinkLowLatency(group, topology, device, num_low_latency_bytes, self.status,
+                                                self.timeout_ns)
+            self.low_latency_buffer = self.low_latency.area
+            self.low_latency_checks_values_on_device = True
         group.barrier("NVLink transport set-up")
 
     # ---- bookkeeping -------------------------------------------------------------------------------
@@ -149,6 +159,8 @@ class NVLinkTransport(Transport):
     # ---- layout ----------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
         from .layout import HISTOGRAM_MAX, layout_kernel
+        if not self.has_rings:
+            return self.reference.get_dispatch_layout(topk_idx, num_experts)
         R = self.topology.num_ranks
         num_tokens, topk = topk_idx.shape
         counts = torch.zeros(R + num_experts, dtype=torch.int32, device=self.device)
@@ -166,6 +178,9 @@ class NVLinkTransport(Transport):
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels):
         from .notify import notify_kernel
         from .plan import plan_kernel, prepare_kernel
+        if not self.has_rings:
+            return self.reference.dispatch(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                           num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels)
         topo, dev = self.topology, self.device
         R, C, rank = topo.num_ranks, num_channels, topo.rank
         num_tokens, num_experts = x.shape[0], num_tokens_per_expert.numel()
@@ -241,6 +256,8 @@ class NVLinkTransport(Transport):
         return num_recv, aligned
 
     def cached_dispatch(self, x, x_scales, handle, num_channels):
+        if not self.has_rings:
+            return self.reference.cached_dispatch(x, x_scales, handle, num_channels)
         plan = self._plan(handle)
         self._begin(plan.num_channels)
         geometry = self._dispatch_geometry(x, x_scales, None, plan.num_channels)
@@ -291,6 +308,8 @@ class NVLinkTransport(Transport):
     # ---- combine ---------------------------------------------------------------------------------------------
     def combine(self, x, handle, topk_weights, biases, num_channels):
         from .combine import combine_kernel
+        if not self.has_rings:
+            return self.reference.combine(x, handle, topk_weights, biases, num_channels)
         topo, dev = self.topology, self.device
         plan = self._plan(handle)
         R, C, hidden = topo.num_ranks, plan.num_channels, x.shape[1]
@@ -318,16 +337,43 @@ class NVLinkTransport(Transport):
             num_warps=NUM_WARPS)
         return combined, combined_weights
 
-    # ---- low latency: the reference transport for now ------------------------------------------------------
-    def low_latency_dispatch(self, *args, **kwargs):
-        return self.reference.low_latency_dispatch(*args, **kwargs)
+    # ---- low latency (low_latency.py) ----------------------------------------------------------------------
+    def _check_low_latency_status(self) -> None:
+        """Report a timeout, or expert ids out of range seen by an earlier low-latency kernel."""
+        self._check_status()
+        words = self._status_words
+        if words[2]:
+            value = int(words[3])
+            words[2] = 0
+            raise ValueError(f"topk_idx of an earlier low-latency call on rank {self.topology.rank}: entries must be -1 "
+                             f"or in [0, num_experts), found {value} (checked on the GPU; those entries were treated as "
+                             "no selection)")
 
-    def low_latency_combine(self, *args, **kwargs):
-        return self.reference.low_latency_combine(*args, **kwargs)
+    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half):
+        if self.low_latency is None:
+            return self.reference.low_latency_dispatch(x, topk_idx, num_max_tokens, num_experts, options, mask,
+                                                       wait_stats, half)
+        self._check_low_latency_status()
+        return self.low_latency.dispatch(x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt, mask,
+                            out, wait_stats, half):
+        if self.low_latency is None:
+            return self.reference.low_latency_combine(x, topk_idx, topk_weights, src_info, layout_range,
+                                                      num_max_tokens, use_logfmt, mask, out, wait_stats, half)
+        self._check_low_latency_status()
+        return self.low_latency.combine(x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt,
+                                        mask, out, wait_stats, half)
+
+    def clean_low_latency(self, num_max_tokens, hidden, num_experts) -> None:
+        if self.low_latency is not None:
+            self.low_latency.clean(num_max_tokens, hidden, num_experts)
 
     def destroy(self) -> None:
         torch.cuda.synchronize(self.device)
         self.peers.close()
+        if self.low_latency is not None:
+            self.low_latency.close()
 
 
 def _rows_per_step(row_elements: int, tile_elements: int) -> int:

@@ -23,14 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, publish, report_timeout, wait_at_least
-
-
-@triton.jit
-def _rows_ptr(addresses, offsets, dtype: tl.constexpr, BLOCK: tl.constexpr):
-    """[ROWS, BLOCK] pointers: row r at byte address addresses[r] (16-byte aligned), element offsets."""
-    ptrs = tl.multiple_of(addresses, 16).to(tl.pointer_type(dtype))[:, None] + offsets[None, :]
-    return tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, BLOCK])
+from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, publish, report_timeout, row_pointers, wait_at_least
 
 
 @triton.jit
@@ -41,7 +34,7 @@ def _store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr, out_s
     keep = keep & (rows >= 0)   # rows come from the plan; never write outside the outputs
     rows64 = rows.to(tl.int64)[:, None]
     keep2 = keep[:, None]
-    tl.store(_rows_ptr(out_x_ptr.to(tl.int64) + rows.to(tl.int64) * (4 * XW), xo, tl.int32, BLOCK_X), x,
+    tl.store(row_pointers(out_x_ptr.to(tl.int64) + rows.to(tl.int64) * (4 * XW), xo, tl.int32, BLOCK_X), x,
              mask=keep2 & (xo[None, :] < XW))
     if SW > 0:
         tl.store(out_scales_ptr + rows64 * SW + so[None, :], scales, mask=keep2 & (so[None, :] < SW))
@@ -97,7 +90,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                     tokens = first_token + to
                     live = tokens < te
                     t64 = tokens.to(tl.int64)
-                    x = tl.load(_rows_ptr(x_ptr.to(tl.int64) + t64 * (4 * XW), xo, tl.int32, BLOCK_X),
+                    x = tl.load(row_pointers(x_ptr.to(tl.int64) + t64 * (4 * XW), xo, tl.int32, BLOCK_X),
                                 mask=live[:, None] & (xo[None, :] < XW))
                     scales = tl.zeros([ROWS, BLOCK_S], tl.int32)
                     ids = tl.zeros([ROWS, BLOCK_K], tl.int64)
@@ -123,7 +116,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                                      + position)
                             slots = (tl.load(bases_ptr + d) + 4 * (ring_word + (rank * C + q).to(tl.int64) * ring_words
                                                                    + (index % ring_slots) * slot_words))
-                            tl.store(_rows_ptr(slots, xo, tl.int32, BLOCK_X), x,
+                            tl.store(row_pointers(slots, xo, tl.int32, BLOCK_X), x,
                                      mask=send[:, None] & (xo[None, :] < XW))
                             words = slots.to(tl.pointer_type(tl.int32))[:, None]
                             if SW > 0:
@@ -164,7 +157,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                             index = first + i + to
                             live = i + to < n
                             slots = ring + 4 * (index % ring_slots) * slot_words
-                            x = tl.load(_rows_ptr(slots, xo, tl.int32, BLOCK_X),
+                            x = tl.load(row_pointers(slots, xo, tl.int32, BLOCK_X),
                                         mask=live[:, None] & (xo[None, :] < XW),
                                         cache_modifier=".cg")
                             words = slots.to(tl.pointer_type(tl.int32))[:, None]

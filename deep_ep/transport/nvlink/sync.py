@@ -14,7 +14,8 @@ WAIT_NOTIFY = tl.constexpr(1)
 WAIT_ROWS = tl.constexpr(2)
 WAIT_SPACE = tl.constexpr(3)
 STATUS_WHAT = {1: "its dispatch counts (notify)", 2: "its rows",
-               3: "it to read the rows already in its receive ring (ring slots to free up)"}
+               3: "it to read the rows already in its receive ring (ring slots to free up)",
+               4: "its low-latency dispatch rows", 5: "its low-latency combine rows"}
 NO_PEER = tl.constexpr(1 << 30)
 
 
@@ -51,3 +52,56 @@ def publish(ptrs, values, mask):
     release per counter suffices; a fence in every thread would stall each of them on its NVLink stores."""
     tl.debug_barrier()
     tl.atomic_xchg(ptrs, values, mask=mask, sem="release", scope="sys")
+
+
+@triton.jit
+def row_pointers(addresses, offsets, dtype: tl.constexpr, BLOCK: tl.constexpr):
+    """[ROWS, BLOCK] pointers: row r at byte address addresses[r] (16-byte aligned), element offsets."""
+    ptrs = tl.multiple_of(addresses, 16).to(tl.pointer_type(dtype))[:, None] + offsets[None, :]
+    return tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, BLOCK])
+
+
+@triton.jit
+def report_bad_ids(status_ptr, bad, ids):
+    """Record in status[2:4] that expert ids outside [-1, E) were seen (they count as no selection)."""
+    if tl.sum(bad.to(tl.int32)) > 0:
+        value = tl.max(tl.where(bad, ids, -(1 << 40)))
+        if tl.atomic_cas(status_ptr + 2, 0, 1, sem="relaxed", scope="sys") == 0:
+            tl.atomic_xchg(status_ptr + 3, tl.minimum(tl.maximum(value, -(1 << 31)), (1 << 31) - 1).to(tl.int32),
+                           sem="relaxed", scope="sys")
+
+
+@triton.jit
+def wait_arrivals(ptrs, target, mask, peers, stats_ptr, record, timeout_ns, status_ptr, code,
+                  HAS_STATS: tl.constexpr):
+    """Spin until every counter `ptrs[i]` (where `mask`) is >= `target`; returns ok. With HAS_STATS, the
+    recording program adds to stats[peers[i]] the nanoseconds from the start until lane i was seen ready."""
+    start = globaltimer()
+    values = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    lagging = (mask & (values < target)).to(tl.int32)
+    waited = tl.where(mask, globaltimer() - start, 0)
+    # (the clock is read afresh in the condition and the body: a clock value carried through the loop
+    # crashes the Triton 3.6 compiler)
+    while (tl.sum(lagging) > 0) & ((globaltimer() - start) < timeout_ns):
+        values = tl.atomic_add(ptrs, 0, mask=lagging > 0, sem="acquire", scope="sys")
+        waited = tl.where(lagging > 0, globaltimer() - start, waited)
+        lagging = tl.where(lagging > 0, (values < target).to(tl.int32), 0)
+    ok = tl.sum(lagging) == 0
+    if not ok:
+        report_timeout(status_ptr, code, tl.min(tl.where(lagging > 0, peers, NO_PEER)))
+    if HAS_STATS:
+        if record:
+            tl.atomic_add(stats_ptr + peers, waited, mask=mask, sem="relaxed")
+    tl.debug_barrier()
+    return ok
+
+
+@triton.jit
+def finish_receive(state_ptr, received):
+    """The last program of a receive kernel to get here sets state = [received + 1, 0] (state[1] counts the
+    programs that finished; the next receive on the same half starts from the new count)."""
+    tl.debug_barrier()
+    finished = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if finished == tl.num_programs(0) - 1:
+        tl.store(state_ptr + 1, 0)
+        tl.store(state_ptr, received + 1)

@@ -1,0 +1,101 @@
+"""Low-latency combine over peer-mapped buffers: a send kernel at the experts' ranks and a receive kernel (the
+hook) at the tokens' ranks.
+
+Areas of one buffer half, identical in every rank's low-latency buffer (byte offsets from the host):
+  ARRIVED[src]     int64 (signal area, apart from the dispatch's): send programs of `src` that finished here
+  ROWS[t * K + k]  bf16 [H]: the expert output for this rank's selection (token t, top-k slot k)
+Send (NUM_SENDERS programs over blocks of received rows, all local experts laid end to end): row j of local
+  expert e came from (source s, token t, slot k), as the dispatch's route table says; store x[e, j] into
+  ROWS[t * K + k] of rank s unless s is masked. Then every program adds 1 to ARRIVED[me] of every unmasked
+  rank (release, after a barrier over the program's stores).
+Receive (programs over tokens): wait until ARRIVED[r] >= NUM_SENDERS * (combines this half received before
+  + 1) for every unmasked rank r, then out[t] = bf16(acc) with acc = 0; for k ascending over valid
+  selections whose rank is not masked: acc = f32(acc + f32(w[t, k] * ROWS[t * K + k])) -- the reference's
+  rounding (compiled without fused multiply-adds). The last program to finish counts the combine as
+  received (STATE = [received, finished programs]).
+"""
+import triton
+import triton.language as tl
+
+from .sync import finish_receive, report_bad_ids, row_pointers, wait_arrivals
+
+WAIT_LL_COMBINE = tl.constexpr(5)
+
+
+@triton.jit
+def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, rank, experts_per_rank,
+                           num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset,
+                           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
+                           ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    num_senders = tl.num_programs(0)
+    ro = tl.arange(0, BLOCK_R)
+    eo = tl.arange(0, BLOCK_E)
+    ho = tl.arange(0, BLOCK_H)
+    po = tl.arange(0, ROWS)
+    if HAS_MASK:
+        rank_open = (ro < R) & (tl.load(mask_ptr + ro, mask=ro < R, other=1) == 0)
+    else:
+        rank_open = ro < R
+    RN = R * num_max_tokens
+    ranges = tl.load(layout_ptr + eo[:, None] * R + ro[None, :], mask=(eo[:, None] < experts_per_rank) & (ro[None, :] < R),
+                     other=0)
+    per_expert = tl.sum((ranges & 0xFFFFFFFF).to(tl.int32), axis=1)
+    ends = tl.cumsum(per_expert, axis=0)          # rows of experts 0..e, all experts laid end to end
+    total = tl.sum(per_expert)
+    for g0 in range(pid * ROWS, total, num_senders * ROWS):
+        g = g0 + po
+        live = g < total
+        expert = tl.sum((ends[None, :] <= g[:, None]).to(tl.int32), axis=1)
+        row = g - tl.max(tl.where(ends[None, :] <= g[:, None], ends[None, :], 0), axis=1)
+        route = tl.load(route_ptr + expert.to(tl.int64) * RN + row, mask=live, other=0)
+        source = route // (num_max_tokens * K)
+        if HAS_MASK:
+            live = live & (tl.load(mask_ptr + source, mask=live, other=1) == 0)
+        values = tl.load(x_ptr + (expert.to(tl.int64) * x_expert_stride + row.to(tl.int64) * x_row_stride)[:, None]
+                         + ho[None, :], mask=live[:, None] & (ho[None, :] < H))
+        base = tl.load(bases_ptr + source, mask=live, other=0)
+        dest = base + rows_offset + (route - source * (num_max_tokens * K)).to(tl.int64) * (2 * H)
+        tl.store(row_pointers(dest, ho, tl.bfloat16, BLOCK_H), values, mask=live[:, None] & (ho[None, :] < H))
+    tl.debug_barrier()   # every thread's stores precede the releasing adds (release is cumulative)
+    bases = tl.load(bases_ptr + ro, mask=rank_open, other=0)
+    tl.atomic_add((bases + arrived_offset + rank * 8).to(tl.pointer_type(tl.int64)), 1, mask=rank_open,
+                  sem="release", scope="sys")
+
+
+@triton.jit
+def ll_combine_recv_kernel(rows_ptr, arrived_ptr, state_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
+                           status_ptr, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns,
+                           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
+                           HAS_STATS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_R: tl.constexpr):
+    pid = tl.program_id(0)
+    ro = tl.arange(0, BLOCK_R)
+    ko = tl.arange(0, BLOCK_K)
+    ho = tl.arange(0, BLOCK_H)
+    if HAS_MASK:
+        open_ = (ro < R) & (tl.load(mask_ptr + ro, mask=ro < R, other=1) == 0)
+    else:
+        open_ = ro < R
+    received = tl.load(state_ptr)
+    ok = wait_arrivals(arrived_ptr + ro, (received + 1) * num_senders, open_, ro, stats_ptr, pid == 0,
+                       timeout_ns, status_ptr, WAIT_LL_COMBINE, HAS_STATS)
+    if ok:
+        for t in range(pid, num_tokens, tl.num_programs(0)):
+            ids = tl.load(idx_ptr + t.to(tl.int64) * K + ko, mask=ko < K, other=-1)
+            weights = tl.load(weights_ptr + t.to(tl.int64) * K + ko, mask=ko < K, other=0.0)
+            report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
+            valid = (ids >= 0) & (ids < num_experts)
+            if HAS_MASK:
+                valid = valid & (tl.load(mask_ptr + tl.where(valid, ids // experts_per_rank, 0), mask=valid,
+                                         other=1) == 0)
+            acc = tl.zeros([BLOCK_H], tl.float32)
+            for k in range(K):
+                pick = ko == k
+                if tl.sum((pick & valid).to(tl.int32)) > 0:
+                    w = tl.sum(tl.where(pick, weights, 0.0))
+                    values = tl.load(rows_ptr + (t.to(tl.int64) * K + k) * H + ho, mask=ho < H, other=0.0)
+                    acc = acc + w * values.to(tl.float32)
+            tl.store(out_ptr + t.to(tl.int64) * H + ho, acc.to(tl.bfloat16), mask=ho < H)
+    finish_receive(state_ptr, received)

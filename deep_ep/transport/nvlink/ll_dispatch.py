@@ -1,0 +1,176 @@
+"""Low-latency dispatch over peer-mapped buffers: a send kernel that returns at once and a receive kernel
+(the hook), so no program stays resident while rows are in flight.
+
+Areas of one buffer half, identical in every rank's low-latency buffer (byte offsets from the host):
+  ARRIVED[src]         int64 (signal area): send programs of `src` that finished their stores here
+  MASKS[e][src][t]     int32: bit k set when token t of rank `src` selected local expert e in top-k slot k
+  SLOTS[e][src][t]     token t's row for local expert e: [payload words | scale words], 16-byte aligned
+Send (NUM_SENDERS programs; token t by program t mod NUM_SENDERS): load the row, cast it to e4m3 once if
+  asked, then for every distinct valid expert e of the token whose rank d is not masked: store the row
+  into SLOTS[e][me][t] and the token's slot bits into MASKS[e][me][t] of rank d. Finally every program
+  adds 1 to ARRIVED[me] of every unmasked rank (release, after a barrier over the program's stores).
+Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (dispatches this half
+  received before + 1) for every unmasked source s (counters only grow). Expand MASKS[e] in the order
+  (source, token, slot) -- the reference order -- into output rows: row p of expert e copies its token's
+  slot (a token that lists e twice gets two rows), src_info[e, p] = t and route[e, p] = (s, t * K + k) for
+  the combine; then layout_range, recv_count, and MASKS[e] cleared for the next use of the half. The last
+  program to finish counts the dispatch as received (STATE = [received, finished programs]).
+A wait that exceeds the timeout records (code, peer) in the host-visible status and skips the copies.
+"""
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+from .sync import finish_receive, report_bad_ids, wait_arrivals
+
+FP8_MAX = tl.constexpr(448.0)
+WAIT_LL_DISPATCH = tl.constexpr(4)
+
+
+@triton.jit
+def _quantize(row, H: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, BLOCK_H: tl.constexpr):
+    """e4m3 values and per-128-channel scales of one bf16 row (the rules of deep_ep.fp8, bit for bit).
+    Returns (data [BLOCK_H] e4m3, scale words [BLOCK_H // 128] or [BLOCK_H // 512] packed UE8M0)."""
+    G: tl.constexpr = BLOCK_H // 128
+    v = row.to(tl.float32)
+    groups = tl.reshape(v, [G, 128])
+    amax = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-4)
+    if ROUND:
+        bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)   # ceil(log2(amax / 448))
+        scale_inv = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+        multiplier = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    else:
+        scale_inv = amax * (1.0 / 448.0)
+        multiplier = libdevice.div_rn(tl.full([G], 448.0, tl.float32), amax)
+    scaled = tl.reshape(groups * multiplier[:, None], [BLOCK_H])
+    data = tl.clamp(scaled, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    if UE8M0:
+        exponent_bytes = tl.reshape((scale_inv.to(tl.int32, bitcast=True) >> 23) & 0xFF, [G // 4, 4])
+        shifts = tl.arange(0, 4) * 8
+        words = tl.sum(exponent_bytes << shifts[None, :], axis=1)
+    else:
+        words = scale_inv.to(tl.int32, bitcast=True)
+    return data, words
+
+
+@triton.jit
+def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
+                            experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset,
+                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
+                            ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
+                            SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    pid = tl.program_id(0)
+    num_senders = tl.num_programs(0)
+    ko = tl.arange(0, BLOCK_K)
+    ro = tl.arange(0, BLOCK_R)
+    ho = tl.arange(0, BLOCK_H)
+    so = tl.arange(0, BLOCK_S)
+    if HAS_MASK:
+        rank_open = (ro < R) & (tl.load(mask_ptr + ro, mask=ro < R, other=1) == 0)
+    else:
+        rank_open = ro < R
+    for t in range(pid, num_tokens, num_senders):
+        ids = tl.load(idx_ptr + t.to(tl.int64) * K + ko, mask=ko < K, other=-1)
+        in_range = (ids >= 0) & (ids < num_experts)
+        report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
+        owner = tl.where(in_range, ids // experts_per_rank, 0)
+        if HAS_MASK:
+            valid = in_range & (tl.load(mask_ptr + owner, mask=in_range, other=1) == 0)
+        else:
+            valid = in_range
+        same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
+        first = valid & (tl.sum((same & (ko[None, :] < ko[:, None])).to(tl.int32), axis=1) == 0)
+        slot_bits = tl.sum(tl.where(same, 1 << ko[None, :], 0), axis=1)
+        row = tl.load(x_ptr + t.to(tl.int64) * H + ho, mask=ho < H, other=0.0)
+        if FP8:
+            data, scale_words = _quantize(row, H, ROUND, UE8M0, BLOCK_H)
+        for k in range(K):
+            pick = ko == k
+            if tl.sum((pick & first).to(tl.int32)) > 0:
+                expert = tl.sum(tl.where(pick, ids, 0))
+                dest = expert // experts_per_rank
+                entry = ((expert - dest * experts_per_rank) * R + rank) * num_max_tokens + t
+                base = tl.load(bases_ptr + dest)
+                slot = tl.multiple_of(base + slots_offset + entry * (SLOT_W * 4), 16)
+                if FP8:
+                    tl.store(slot.to(tl.pointer_type(tl.float8e4nv)) + ho, data, mask=ho < H)
+                    tl.store((slot + XW * 4).to(tl.pointer_type(tl.int32)) + so, scale_words, mask=so < SW)
+                else:
+                    tl.store(slot.to(tl.pointer_type(tl.bfloat16)) + ho, row, mask=ho < H)
+                tl.store((base + masks_offset + entry * 4).to(tl.pointer_type(tl.int32)),
+                         tl.sum(tl.where(pick, slot_bits, 0)))
+    tl.debug_barrier()   # every thread's stores precede the releasing adds (release is cumulative)
+    bases = tl.load(bases_ptr + ro, mask=rank_open, other=0)
+    tl.atomic_add((bases + arrived_offset + rank * 8).to(tl.pointer_type(tl.int64)), 1, mask=rank_open,
+                  sem="release", scope="sys")
+
+
+@triton.jit
+def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, state_ptr, mask_ptr, stats_ptr, status_ptr,
+                            out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank,
+                            experts_per_rank, num_max_tokens, num_senders, timeout_ns, K: tl.constexpr,
+                            R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr,
+                            HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_RN: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
+                            ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    ro = tl.arange(0, BLOCK_R)
+    if HAS_MASK:
+        open_ = (ro < R) & (tl.load(mask_ptr + ro, mask=ro < R, other=1) == 0)
+    else:
+        open_ = ro < R
+    received = tl.load(state_ptr)
+    ok = wait_arrivals(arrived_ptr + ro, (received + 1) * num_senders, open_, ro, stats_ptr, pid == 0,
+                       timeout_ns, status_ptr, WAIT_LL_DISPATCH, HAS_STATS)
+    if ok:
+        RN = R * num_max_tokens
+        jo = tl.arange(0, BLOCK_RN)            # entry j = source * N + token
+        source_of = jo // num_max_tokens
+        in_table = jo < RN
+        if HAS_MASK:
+            in_table = in_table & (tl.load(mask_ptr + source_of, mask=in_table, other=1) == 0)
+        po = tl.arange(0, ROWS)
+        xo = tl.arange(0, BLOCK_X)
+        so = tl.arange(0, BLOCK_S)
+        bo = tl.arange(0, 32)
+        for e in range(pid, experts_per_rank, tl.num_programs(0)):
+            table = masks_ptr + e.to(tl.int64) * RN
+            bits = tl.load(table + jo, mask=in_table, other=0)
+            rows_of = libdevice.popc(bits)
+            ends = tl.cumsum(rows_of, axis=0)                # rows up to and including entry j
+            total = tl.sum(rows_of)
+            per_source = tl.sum(tl.where(source_of[None, :] == ro[:, None], rows_of[None, :], 0), axis=1)
+            begins = tl.cumsum(per_source, axis=0) - per_source
+            tl.store(layout_ptr + e * R + ro, (begins.to(tl.int64) << 32) | per_source.to(tl.int64), mask=ro < R)
+            tl.store(count_ptr + e, total)
+            out_base = e.to(tl.int64) * RN
+            for p0 in range(0, total, ROWS):
+                p = p0 + po
+                live = p < total
+                entry = tl.sum(((ends[None, :] <= p[:, None]) & (jo[None, :] < RN)).to(tl.int32), axis=1)
+                first_row = tl.max(tl.where(ends[None, :] <= p[:, None], ends[None, :], 0), axis=1)
+                word = tl.load(table + entry, mask=live, other=0)
+                bit = (word[:, None] >> bo[None, :]) & 1
+                before = tl.cumsum(bit, axis=1) - bit
+                k = tl.sum(tl.where((bit == 1) & (before == (p - first_row)[:, None]), bo[None, :], 0), axis=1)
+                source = entry // num_max_tokens
+                token = entry - source * num_max_tokens
+                slot = (e.to(tl.int64) * RN + entry) * SLOT_W
+                payload = tl.load(slots_ptr + slot[:, None] + xo[None, :], mask=live[:, None] & (xo[None, :] < XW))
+                tl.store(out_x_ptr + (out_base + p)[:, None] * XW + xo[None, :], payload,
+                         mask=live[:, None] & (xo[None, :] < XW))
+                if SW > 0:   # scales are column-major: [E_loc, SW, R * N]
+                    scales = tl.load(slots_ptr + slot[:, None] + XW + so[None, :],
+                                     mask=live[:, None] & (so[None, :] < SW))
+                    tl.store(out_scales_ptr + e.to(tl.int64) * SW * RN + so[None, :] * RN + p[:, None], scales,
+                             mask=live[:, None] & (so[None, :] < SW))
+                tl.store(src_info_ptr + out_base + p, token, mask=live)
+                tl.store(route_ptr + out_base + p, source * (num_max_tokens * K) + token * K + k, mask=live)
+            for p0 in range(total, RN, BLOCK_RN):   # rows past the count: src_info -1, as the reference has
+                p = p0 + jo
+                tl.store(src_info_ptr + out_base + p, tl.full([BLOCK_RN], -1, tl.int32), mask=p < RN)
+            tl.debug_barrier()   # every thread has read the table before it is cleared
+            tl.store(table + jo, tl.zeros([BLOCK_RN], tl.int32), mask=jo < RN)
+    finish_receive(state_ptr, received)

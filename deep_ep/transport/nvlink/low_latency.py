@@ -1,0 +1,201 @@
+"""Low-latency dispatch and combine over a peer-mapped area (ll_dispatch.py and ll_combine.py hold the
+protocols).
+
+The area is the Buffer's `num_rdma_bytes`, laid out as config.LowLatencyLayout says (DeepEP's
+`[signal0][signal1][send0][send1][recv0][recv1]`), so the size hint and the zero-copy combine view keep
+their meaning. Inside a half: the signal area holds the dispatch's and the combine's ARRIVED counters
+(R int64 each); the receive area holds MASKS, then SLOTS (dispatch) or ROWS (combine), which share the
+space because a half serves one call at a time. The send areas are only read (zero-copy combine input).
+
+Nothing waits on the host: every call is two kernel launches, so dispatch and combine can be captured in
+a CUDA graph. A send kernel returns at once; the receive kernel is the hook. Expert ids are checked on the
+GPU; bad ones count as no selection and are reported at the next low-latency call, like timeouts.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ...config import LowLatencyLayout, _round_up
+from ...fp8 import logfmt_roundtrip, num_scale_groups
+from ...group import Group, Topology
+from ..base import LowLatencyDispatchOutput, LowLatencyOptions
+
+NUM_SENDERS = int(os.environ.get("DEEP_EP_LL_SENDERS", "128"))   # send programs; the same on every rank
+NUM_WARPS = int(os.environ.get("DEEP_EP_LL_NUM_WARPS", "8"))
+RECV_ROWS = 4             # rows a dispatch receive program copies at once
+COMBINE_SEND_ROWS = 2     # rows a combine send program moves at once
+_DISPATCH, _COMBINE = 0, 1
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << max(value - 1, 0).bit_length()
+
+
+class _Geometry:
+    """Where a call's areas sit in a half, for (N, hidden, num_experts) and this group."""
+
+    def __init__(self, num_ranks: int, num_max_tokens: int, hidden: int, num_experts: int, half: int) -> None:
+        layout = LowLatencyLayout(num_max_tokens, hidden, num_experts)
+        self.layout = layout
+        self.signal = layout.signal_offset(half)
+        self.arrived = (self.signal, self.signal + 8 * num_ranks)       # dispatch, combine
+        self.masks = layout.recv_offset(half)
+        self.masks_bytes = _round_up(num_experts * num_max_tokens * 4, 16)
+        self.data = self.masks + self.masks_bytes
+        self.data_bytes = layout.recv_bytes - self.masks_bytes
+
+
+class NVLinkLowLatency:
+    """Low-latency calls of one rank: the peer-mapped area, the per-half receive counts and the routes that
+    let a combine return every row to its (token, slot)."""
+
+    def __init__(self, group: Group, topology: Topology, device: torch.device, num_bytes: int,
+                 status: torch.Tensor, timeout_ns: int) -> None:
+        from .peer_memory import PeerBuffers
+        self.topology, self.device, self.status, self.timeout_ns = topology, device, status, timeout_ns
+        self.area = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)
+        self.peers = PeerBuffers(self.area, group)
+        self.state = torch.zeros((2, 2, 2), dtype=torch.int64, device=device)   # [half][op][received, finished]
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._routes: Dict[int, Tuple[torch.Tensor, int]] = {}   # id(src_info) -> (route, top-k)
+        # stand-ins for optional pointer arguments (never read)
+        self._no_words = torch.zeros(4, dtype=torch.int32, device=device)
+
+    # ---- views of the local area ---------------------------------------------------------------------------
+    def _view(self, offset: int, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """`num_bytes` of the local area from `offset` (16-byte aligned) as `dtype`."""
+        return self.area[offset:offset + num_bytes].view(dtype)
+
+    def _geometry(self, num_max_tokens: int, hidden: int, num_experts: int, half: int, data_bytes: int,
+                  what: str) -> _Geometry:
+        R = self.topology.num_ranks
+        geometry = _Geometry(R, num_max_tokens, hidden, num_experts, half)
+        if 16 * R > geometry.layout.signal_bytes or data_bytes > geometry.data_bytes:
+            need = 2 * (geometry.layout.signal_bytes + geometry.layout.send_bytes + geometry.masks_bytes + data_bytes)
+            raise ValueError(f"{what}: num_rdma_bytes={self.area.numel()} leaves too little room for the NVLink "
+                             f"low-latency path with N={num_max_tokens}, hidden={hidden}, num_experts={num_experts} "
+                             f"and this top-k: need about {need} bytes")
+        return geometry
+
+    # ---- dispatch ---------------------------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
+                 options: LowLatencyOptions, mask: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
+                 half: int):
+        from .ll_dispatch import ll_dispatch_recv_kernel, ll_dispatch_send_kernel
+        R, rank, dev = self.topology.num_ranks, self.topology.rank, self.device
+        num_tokens, hidden = x.shape
+        topk = topk_idx.shape[1]
+        experts_per_rank = num_experts // R
+        slots = R * num_max_tokens
+        groups = num_scale_groups(hidden)
+        if options.use_fp8:
+            payload_words = hidden // 4
+            scale_words = -(-groups // 4) if options.use_ue8m0 else groups
+            block_h = max(_next_pow2(hidden), 512)
+        else:
+            payload_words, scale_words, block_h = hidden // 2, 0, _next_pow2(hidden)
+        slot_words = _round_up(payload_words + scale_words, 4)
+        geometry = self._geometry(num_max_tokens, hidden, num_experts, half,
+                                  num_experts * num_max_tokens * slot_words * 4, "low_latency_dispatch")
+        if options.use_fp8:
+            recv_x = torch.empty((experts_per_rank, slots, hidden), dtype=torch.float8_e4m3fn, device=dev)
+            recv_scales = torch.empty((experts_per_rank, scale_words, slots), dtype=torch.int32 if options.use_ue8m0
+                                      else torch.float32, device=dev).transpose(1, 2)
+        else:
+            recv_x = torch.empty((experts_per_rank, slots, hidden), dtype=torch.bfloat16, device=dev)
+            recv_scales = None
+        recv_count = torch.empty(experts_per_rank, dtype=torch.int32, device=dev)
+        src_info = torch.empty((experts_per_rank, slots), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((experts_per_rank, R), dtype=torch.int64, device=dev)
+        route = torch.empty((experts_per_rank, slots), dtype=torch.int32, device=dev)
+        mask = None if mask is None else mask.clone()   # the mask as of this call, also for its receive
+        mask_arg = self._no_words if mask is None else mask
+        ll_dispatch_send_kernel[(NUM_SENDERS,)](
+            x, topk_idx, self.peers.bases, mask_arg,
+            self.status, num_tokens, rank, num_experts, experts_per_rank, num_max_tokens, geometry.masks,
+            geometry.data, geometry.arrived[_DISPATCH], H=hidden, K=topk, R=R, FP8=options.use_fp8,
+            ROUND=options.round_scale, UE8M0=options.use_ue8m0, XW=payload_words, SW=scale_words, SLOT_W=slot_words,
+            HAS_MASK=mask is not None, BLOCK_H=block_h, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
+            BLOCK_S=block_h // (512 if options.use_ue8m0 else 128) if options.use_fp8 else 1, num_warps=NUM_WARPS)
+        output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
+        self._remember(src_info, route, topk)
+        state = self.state[half, _DISPATCH]
+
+        def receive() -> None:
+            ll_dispatch_recv_kernel[(max(1, min(experts_per_rank, self.num_sms)),)](
+                self._view(geometry.masks, geometry.masks_bytes, torch.int32),
+                self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.int32),
+                self._view(geometry.arrived[_DISPATCH], 8 * R, torch.int64), state, mask_arg,
+                self.state if wait_stats is None else wait_stats, self.status, recv_x.view(torch.int32),
+                self._no_words if recv_scales is None else recv_scales.view(torch.int32), src_info, route, layout_range,
+                recv_count, rank, experts_per_rank, num_max_tokens, NUM_SENDERS, self.timeout_ns, K=topk, R=R,
+                XW=payload_words, SW=scale_words, SLOT_W=slot_words, HAS_MASK=mask is not None,
+                HAS_STATS=wait_stats is not None, BLOCK_RN=_next_pow2(slots), BLOCK_R=_next_pow2(R),
+                BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=RECV_ROWS,
+                num_warps=NUM_WARPS)
+        return output, receive
+
+    def _remember(self, src_info: torch.Tensor, route: torch.Tensor, topk: int) -> None:
+        key = id(src_info)
+        self._routes[key] = (route, topk)
+        weakref.finalize(src_info, self._routes.pop, key, None)
+
+    # ---- combine ----------------------------------------------------------------------------------------------
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
+                layout_range: torch.Tensor, num_max_tokens: int, use_logfmt: bool, mask: Optional[torch.Tensor],
+                out: torch.Tensor, wait_stats: Optional[torch.Tensor], half: int):
+        from .ll_combine import ll_combine_recv_kernel, ll_combine_send_kernel
+        R, rank = self.topology.num_ranks, self.topology.rank
+        experts_per_rank, _, hidden = x.shape
+        num_experts = experts_per_rank * R
+        num_tokens, topk = topk_idx.shape
+        known = self._routes.get(id(src_info))
+        if known is None:
+            raise ValueError("handle: pass the handle returned by a low_latency_dispatch of this Buffer (its "
+                             "routes are kept with it)")
+        route, dispatch_topk = known
+        if topk != dispatch_topk:
+            raise ValueError(f"topk_idx must have the top-k of the matching low_latency_dispatch ({dispatch_topk} "
+                             f"columns), got {topk}")
+        geometry = self._geometry(num_max_tokens, hidden, num_experts, half, num_max_tokens * topk * hidden * 2,
+                                  "low_latency_combine")
+        if use_logfmt:   # what the receiver would decode: encoded and decoded here, sent as bf16
+            x = logfmt_roundtrip(x.reshape(-1, hidden)).view(x.shape)
+        mask = None if mask is None else mask.clone()
+        mask_arg = self._no_words if mask is None else mask
+        block_e = _next_pow2(experts_per_rank)
+        ll_combine_send_kernel[(NUM_SENDERS,)](
+            x, layout_range, route, self.peers.bases, mask_arg, rank, experts_per_rank, num_max_tokens, x.stride(0),
+            x.stride(1), geometry.data, geometry.arrived[_COMBINE], H=hidden, K=topk, R=R,
+            HAS_MASK=mask is not None, BLOCK_H=_next_pow2(hidden), BLOCK_E=block_e, BLOCK_R=_next_pow2(R),
+            ROWS=COMBINE_SEND_ROWS, num_warps=NUM_WARPS)
+        state = self.state[half, _COMBINE]
+
+        def receive() -> None:
+            ll_combine_recv_kernel[(max(1, min(num_tokens, self.num_sms)),)](
+                self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.bfloat16),
+                self._view(geometry.arrived[_COMBINE], 8 * R, torch.int64), state,
+                topk_idx, topk_weights, mask_arg, out, self.state if wait_stats is None else wait_stats, self.status,
+                num_tokens, num_experts, experts_per_rank, NUM_SENDERS, self.timeout_ns, H=hidden, K=topk, R=R,
+                HAS_MASK=mask is not None, HAS_STATS=wait_stats is not None, BLOCK_H=_next_pow2(hidden),
+                BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R), num_warps=NUM_WARPS, enable_fp_fusion=False)
+        return receive
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    def clean(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
+        """Zero both halves' counters and slot bits and the receive counts (every rank, between barriers)."""
+        R = self.topology.num_ranks
+        for half in (0, 1):
+            geometry = _Geometry(R, num_max_tokens, hidden, num_experts, half)
+            self.area[geometry.signal:geometry.signal + 16 * R].zero_()
+            self.area[geometry.masks:geometry.masks + geometry.masks_bytes].zero_()
+        self.state.zero_()
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.peers.close()
