@@ -11,12 +11,14 @@ Protocol (channel q = tokens [q * ceil(T/C), ...)):
   sender q of rank s: wait until every destination d took all rows of the previous operation out of the
     ring (s, q) (HEAD[d][q] >= SENT[d][q]; a ring may change its slot size between operations). Then per
     batch of tokens: wait until HEAD[d][q] leaves room for the batch's rows, store each token into every
-    peer d that receives it, at slot (row counter mod ring_slots) of ring (s, q) in d's buffer (its own
-    rows go straight to this rank's outputs), and publish TAIL[s][q] in every peer (release, after a
-    system fence).
+    peer d that receives it, at slot (row counter mod ring_slots) of ring (s, q) in d's buffer, and
+    publish TAIL[s][q] in every peer (release, after a system fence). Senders only push to peers: their
+    stores over NVLink are what bounds the dispatch.
   receiver q of rank d: poll TAIL[s][q] of every source, copy the rows that arrived into the outputs
     (row = first row of (s, q) in the outputs + index), and publish HEAD[d][q] in the source's buffer.
     Sources are served round-robin, so a receiver never waits on one source while another has rows.
+    While no ring has rows, it copies a few tiles of this rank's own tokens of channel q (those it keeps)
+    straight from x to the outputs, until all are done.
 Rows of (s, q) land in the outputs in token order after the rows of (s, q - 1): the reference order.
 """
 import triton
@@ -24,6 +26,8 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, publish, report_timeout, wait_at_least
+
+OWN_STEP = tl.constexpr(4)   # tiles of own tokens a receiver copies between two looks at its rings
 
 
 @triton.jit
@@ -53,6 +57,26 @@ def _store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr, out_s
             tl.store(out_weights_ptr + rows64 * K + ko[None, :], tl.where(local, weights, 0.0),
                      mask=keep2 & (ko[None, :] < K))
     tl.store(out_src_ptr + rows.to(tl.int64), tokens, mask=keep)
+
+
+@triton.jit
+def _load_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo, so, ko, XW: tl.constexpr,
+                 SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr,
+                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """A tile of this rank's tokens: payload words, scales, top-k ids and weights (zeros where absent)."""
+    t64 = tokens.to(tl.int64)
+    x = tl.load(_rows_ptr(x_ptr.to(tl.int64) + t64 * (4 * XW), xo, tl.int32, BLOCK_X),
+                mask=live[:, None] & (xo[None, :] < XW))
+    scales = tl.zeros([ROWS, BLOCK_S], tl.int32)
+    ids = tl.zeros([ROWS, BLOCK_K], tl.int64)
+    weights = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    if SW > 0:
+        scales = tl.load(scales_ptr + t64[:, None] * SW + so[None, :], mask=live[:, None] & (so[None, :] < SW))
+    if K > 0:
+        ids = tl.load(idx_ptr + t64[:, None] * K + ko[None, :], mask=live[:, None] & (ko[None, :] < K))
+        if HAS_W:
+            weights = tl.load(weights_ptr + t64[:, None] * K + ko[None, :], mask=live[:, None] & (ko[None, :] < K))
+    return x, scales, ids, weights
 
 
 @triton.jit
@@ -86,7 +110,6 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
         head_ptrs = ctrl + head_word + ro * CMAX + q
         tail_ptrs = (peer_bases + (tail_word + rank * CMAX + q) * 8).to(tl.pointer_type(tl.int64))
         _, ok = wait_at_least(head_ptrs, sent0, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
-        self_row0 = tl.load(prefix_ptr + rank)
         for tb in range(t0, t1, batch):
             te = tl.minimum(tb + batch, t1)
             upto = base + tl.load(before_ptr + te * R + ro, mask=ro < R, other=0).to(tl.int64)
@@ -97,28 +120,12 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                     tokens = first_token + to
                     live = tokens < te
                     t64 = tokens.to(tl.int64)
-                    x = tl.load(_rows_ptr(x_ptr.to(tl.int64) + t64 * (4 * XW), xo, tl.int32, BLOCK_X),
-                                mask=live[:, None] & (xo[None, :] < XW))
-                    scales = tl.zeros([ROWS, BLOCK_S], tl.int32)
-                    ids = tl.zeros([ROWS, BLOCK_K], tl.int64)
-                    weights = tl.zeros([ROWS, BLOCK_K], tl.float32)
-                    if SW > 0:
-                        scales = tl.load(scales_ptr + t64[:, None] * SW + so[None, :],
-                                         mask=live[:, None] & (so[None, :] < SW))
-                    if K > 0:
-                        ids = tl.load(idx_ptr + t64[:, None] * K + ko[None, :], mask=live[:, None] & (ko[None, :] < K))
-                        if HAS_W:
-                            weights = tl.load(weights_ptr + t64[:, None] * K + ko[None, :],
-                                              mask=live[:, None] & (ko[None, :] < K))
+                    x, scales, ids, weights = _load_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo,
+                                                           so, ko, XW, SW, K, HAS_W, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
                     for d in tl.static_range(R):
-                        send = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
-                        position = tl.load(before_ptr + t64 * R + d, mask=live, other=0)
-                        if d == rank:
-                            rows = self_row0 + position
-                            _store_outputs(rows, send & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
-                                           out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
-                                           experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
-                        else:
+                        if d != rank:
+                            send = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
+                            position = tl.load(before_ptr + t64 * R + d, mask=live, other=0)
                             index = (tl.load(ctrl + sent_word + d * CMAX + q) - tl.load(before_ptr + t0 * R + d)
                                      + position)
                             slots = (tl.load(bases_ptr + d) + 4 * (ring_word + (rank * C + q).to(tl.int64) * ring_words
@@ -148,8 +155,13 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
         taken = tl.zeros([BLOCK_R], tl.int64)
         remaining = tl.sum(count)
         failed = remaining < 0
+        # this rank's own tokens of channel q go straight to the outputs, copied while no ring has rows
+        per_channel = tl.cdiv(num_tokens, C)
+        own_next = tl.minimum(q * per_channel, num_tokens)
+        own_end = tl.minimum(own_next + per_channel, num_tokens)
+        self_row0 = tl.load(prefix_ptr + rank)
         start = globaltimer()
-        while (remaining > 0) & (failed == 0):
+        while ((remaining > 0) | (own_next < own_end)) & (failed == 0):
             open_ = peers & (taken < count)
             tails = tl.atomic_add(tail_ptrs, 0, mask=open_, sem="acquire", scope="sys")
             avail = tl.where(open_, tl.minimum(tails - recvd0 - taken, count - taken), 0)
@@ -191,6 +203,20 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                 taken += avail
                 publish(head_ptrs, recvd0 + taken, peers)
                 remaining = tl.sum(count - taken)
+                start = globaltimer()
+            elif own_next < own_end:
+                for first_token in range(own_next, tl.minimum(own_next + OWN_STEP * ROWS, own_end), ROWS):
+                    tokens = first_token + to
+                    live = tokens < own_end
+                    t64 = tokens.to(tl.int64)
+                    keep = live & (tl.load(in_rank_ptr + t64 * R + rank, mask=live, other=0) != 0)
+                    x, scales, ids, weights = _load_tokens(tokens, keep, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo,
+                                                           so, ko, XW, SW, K, HAS_W, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
+                    rows = self_row0 + tl.load(before_ptr + t64 * R + rank, mask=live, other=0)
+                    _store_outputs(rows, keep & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
+                                   out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
+                                   experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
+                own_next = tl.minimum(own_next + OWN_STEP * ROWS, own_end)
                 start = globaltimer()
             elif globaltimer() - start > timeout_ns:
                 report_timeout(status_ptr, WAIT_ROWS, tl.min(tl.where(open_, ro, NO_PEER)))
