@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, publish, report_timeout, wait_at_least
+from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, peer_view, publish, report_timeout, wait_at_least
 
 
 @triton.jit
@@ -30,12 +30,8 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
                    X_OFF: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
-    ro = tl.arange(0, BLOCK_R)
+    ro, peers, own, ctrl, peer_bases = peer_view(bases_ptr, rank, R, BLOCK_R)
     to = tl.arange(0, ROWS)
-    peers = (ro < R) & (ro != rank)
-    own = tl.load(bases_ptr + rank)
-    ctrl = own.to(tl.pointer_type(tl.int64))
-    peer_bases = tl.load(bases_ptr + ro, mask=ro < R, other=0)
     ho = tl.arange(0, BLOCK_H)
     ko = tl.arange(0, BLOCK_K)
     if pid < C:

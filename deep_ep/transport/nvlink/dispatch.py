@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, publish, report_timeout, wait_at_least
+from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, peer_view, publish, report_timeout, wait_at_least
 
 OWN_STEP = tl.constexpr(4)   # tiles of own tokens a receiver copies between two looks at its rings
 
@@ -88,12 +88,8 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                     K: tl.constexpr, HAS_W: tl.constexpr, ID_OFF: tl.constexpr, BLOCK_X: tl.constexpr,
                     BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
-    ro = tl.arange(0, BLOCK_R)
+    ro, peers, own, ctrl, peer_bases = peer_view(bases_ptr, rank, R, BLOCK_R)
     to = tl.arange(0, ROWS)
-    peers = (ro < R) & (ro != rank)
-    own = tl.load(bases_ptr + rank)
-    ctrl = own.to(tl.pointer_type(tl.int64))
-    peer_bases = tl.load(bases_ptr + ro, mask=ro < R, other=0)
     xo = tl.arange(0, BLOCK_X)
     so = tl.arange(0, BLOCK_S)
     ko = tl.arange(0, BLOCK_K)

@@ -51,3 +51,14 @@ def publish(ptrs, values, mask):
     release per counter suffices; a fence in every thread would stall each of them on its NVLink stores."""
     tl.debug_barrier()
     tl.atomic_xchg(ptrs, values, mask=mask, sem="release", scope="sys")
+
+
+@triton.jit
+def peer_view(bases_ptr, rank, R: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Lanes over ranks, which of them are peers, this rank's buffer address (and as int64 counter
+    words) and every rank's buffer address, from the table of peer-mapped base addresses."""
+    ro = tl.arange(0, BLOCK_R)
+    peers = (ro < R) & (ro != rank)
+    own = tl.load(bases_ptr + rank)
+    peer_bases = tl.load(bases_ptr + ro, mask=ro < R, other=0)
+    return ro, peers, own, own.to(tl.pointer_type(tl.int64)), peer_bases
