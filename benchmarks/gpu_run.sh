@@ -14,6 +14,9 @@ git rev-parse --short HEAD 2>/dev/null || true
 bench_status=0
 python3 -m deep_ep.bench --mode all --num-sms 24 --json > "$out/bench_sms24.json" 2> "$out/bench_sms24.txt" \
     || bench_status=$?
+# the same with the rank's own rows copied by the dispatch senders instead of the receivers
+DEEP_EP_NVLINK_OWN_ROWS=sender python3 -m deep_ep.bench --mode normal --num-sms 24 > "$out/bench_sms24_own_sender.txt" \
+    2>&1 || bench_status=$?
 for sms in 16 8; do
     python3 -m deep_ep.bench --mode normal --num-sms "$sms" > "$out/bench_sms$sms.txt" 2>&1 || bench_status=$?
 done
@@ -29,7 +32,7 @@ for log in tests_nvlink tests; do
     grep -v "CudaIPCTypes" "$out/$log.log" | grep -E "^(FAILED|ERROR)|PASSED|passed|failed" | tail -n 12
 done
 
-for sms in 24 16 8; do
+for sms in 24 24_own_sender 16 8; do
     grep -v '^\[' "$out/bench_sms$sms.txt" | grep -v CudaIPCTypes | tail -n 15
 done
 echo "NVLink tests exit $nvlink_status, other tests exit $test_status, bench exit $bench_status"

@@ -12,13 +12,14 @@ Protocol (channel q = tokens [q * ceil(T/C), ...)):
     ring (s, q) (HEAD[d][q] >= SENT[d][q]; a ring may change its slot size between operations). Then per
     batch of tokens: wait until HEAD[d][q] leaves room for the batch's rows, store each token into every
     peer d that receives it, at slot (row counter mod ring_slots) of ring (s, q) in d's buffer, and
-    publish TAIL[s][q] in every peer (release, after a system fence). Senders only push to peers: their
-    stores over NVLink are what bounds the dispatch.
+    publish TAIL[s][q] in every peer (release, after a system fence). The rank's own tokens go straight
+    to its outputs: from the sender (OWN_BY_SENDER) or from the receiver, so that senders only push over
+    NVLink (which of the two is faster is measured by the benchmark; the setting picks one).
   receiver q of rank d: poll TAIL[s][q] of every source, copy the rows that arrived into the outputs
     (row = first row of (s, q) in the outputs + index), and publish HEAD[d][q] in the source's buffer.
     Sources are served round-robin, so a receiver never waits on one source while another has rows.
-    While no ring has rows, it copies a few tiles of this rank's own tokens of channel q (those it keeps)
-    straight from x to the outputs, until all are done.
+    Unless OWN_BY_SENDER, while no ring has rows it copies a few tiles of this rank's own tokens of
+    channel q straight from x to the outputs, until all are done.
 Rows of (s, q) land in the outputs in token order after the rows of (s, q - 1): the reference order.
 """
 import triton
@@ -86,7 +87,8 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                     sent_word, recvd_word, ring_word, ring_words, slot_words, ring_slots, batch, timeout_ns,
                     C: tl.constexpr, CMAX: tl.constexpr, R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
                     K: tl.constexpr, HAS_W: tl.constexpr, ID_OFF: tl.constexpr, BLOCK_X: tl.constexpr,
-                    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
+                    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+                    OWN_BY_SENDER: tl.constexpr):
     pid = tl.program_id(0)
     ro, peers, own, ctrl, peer_bases = peer_view(bases_ptr, rank, R, BLOCK_R)
     to = tl.arange(0, ROWS)
@@ -106,6 +108,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
         head_ptrs = ctrl + head_word + ro * CMAX + q
         tail_ptrs = (peer_bases + (tail_word + rank * CMAX + q) * 8).to(tl.pointer_type(tl.int64))
         _, ok = wait_at_least(head_ptrs, sent0, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
+        self_row0 = tl.load(prefix_ptr + rank)
         for tb in range(t0, t1, batch):
             te = tl.minimum(tb + batch, t1)
             upto = base + tl.load(before_ptr + te * R + ro, mask=ro < R, other=0).to(tl.int64)
@@ -119,7 +122,14 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                     x, scales, ids, weights = _load_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo,
                                                            so, ko, XW, SW, K, HAS_W, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
                     for d in tl.static_range(R):
-                        if d != rank:
+                        if d == rank:
+                            if OWN_BY_SENDER:
+                                keep = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
+                                rows = self_row0 + tl.load(before_ptr + t64 * R + d, mask=live, other=0)
+                                _store_outputs(rows, keep & (rows < num_rows), x, scales, ids, weights, tokens,
+                                               out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
+                                               expert_begin, experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
+                        else:
                             send = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
                             position = tl.load(before_ptr + t64 * R + d, mask=live, other=0)
                             index = (tl.load(ctrl + sent_word + d * CMAX + q) - tl.load(before_ptr + t0 * R + d)
@@ -155,6 +165,8 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
         per_channel = tl.cdiv(num_tokens, C)
         own_next = tl.minimum(q * per_channel, num_tokens)
         own_end = tl.minimum(own_next + per_channel, num_tokens)
+        if OWN_BY_SENDER:
+            own_end = own_next
         self_row0 = tl.load(prefix_ptr + rank)
         start = globaltimer()
         while ((remaining > 0) | (own_next < own_end)) & (failed == 0):
