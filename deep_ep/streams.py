@@ -31,25 +31,17 @@ class CommStream:
             async_finish: bool, validate: Optional[Callable[[], None]] = None) -> Tuple[Any, EventOverlap]:
         """Run `fn` on the comm stream after `previous_event` (or the current stream's work so far).
 
-        `validate` checks input values first, on the stream the call runs on once it has waited: inputs
-        produced by an earlier asynchronous call are only complete from there.
+        `validate` checks input values first, on the comm stream once it has waited: inputs produced by an
+        earlier asynchronous call are only complete from there.
 
         Outputs are allocated on the comm stream and marked as used by the calling stream. With
         `async_finish` the caller's stream does not wait and the returned overlap holds the event;
-        otherwise the caller's stream waits and the overlap's event is None. In that case the call runs on
-        the caller's stream itself: the caller waits for it either way, and this skips the stream switch,
-        the event and the allocator bookkeeping (a large part of a call's host time)."""
+        otherwise the caller's stream waits and the overlap's event is None."""
         if self.stream is None:
             if validate is not None:
                 validate()
             result = fn()
             return result, EventOverlap(EventHandle.completed() if async_finish else None)
-        if not async_finish:
-            if previous_event is not None and previous_event.event is not None and not previous_event.event.is_host:
-                torch.cuda.current_stream().wait_event(previous_event.event.event)
-            if validate is not None:
-                validate()
-            return fn(), EventOverlap(None)
         compute = torch.cuda.current_stream()
         if previous_event is not None and previous_event.event is not None and not previous_event.event.is_host:
             self.stream.wait_event(previous_event.event.event)
@@ -62,12 +54,15 @@ class CommStream:
             event = EventHandle(self.stream)
         capturing = torch.cuda.is_current_stream_capturing()
         outputs = flatten_tensors(result if isinstance(result, (tuple, list)) else (result,))
-        inputs_list = flatten_tensors(inputs)
         if not capturing:
             for tensor in outputs:
                 if tensor.is_cuda:
                     tensor.record_stream(compute)
-            for tensor in inputs_list:
+        if not async_finish:
+            compute.wait_event(event.event)
+            return result, EventOverlap(None)
+        if not capturing:
+            for tensor in flatten_tensors(inputs):
                 if tensor.is_cuda:
                     tensor.record_stream(self.stream)
-        return result, EventOverlap(event, extra_tensors=tuple(inputs_list) + tuple(outputs))
+        return result, EventOverlap(event, extra_tensors=tuple(flatten_tensors(inputs)) + tuple(outputs))

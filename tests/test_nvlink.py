@@ -166,6 +166,41 @@ def test_auto_picks_nvlink_on_one_node(pool):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Stream order: every call runs on the comm stream, so a synchronous call made right after an
+# asynchronous one (without waiting for its event) still runs after it
+# ---------------------------------------------------------------------------------------------------
+def run_async_then_sync(ctx, seed: int, rounds: int) -> List[str]:
+    from deep_ep import Buffer, Config
+    num_tokens, hidden, topk, num_experts = 2048, 2048, 8, 32
+    config = Config(8, 4, 64)
+    buffer = Buffer(ctx.group, 1 << 26, 0, transport="nvlink", explicitly_destroy=True, timeout_s=60)
+    errors: List[str] = []
+    for i in range(rounds):
+        gen = generator(seed, "async-then-sync", i, ctx.rank)
+        idx, weights = make_routing(gen, num_tokens, topk, num_experts, "skewed" if i % 2 else "uniform", 0.1)
+        x = make_x(gen, num_tokens, hidden, "bf16").to(ctx.device)
+        idx, weights = idx.to(ctx.device), weights.to(ctx.device)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts, async_finish=True)
+        recv_x, _, _, _, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=weights, config=config, async_finish=True)
+        again = buffer.dispatch(x, handle=handle, config=config, async_finish=True)[0]
+        combined = buffer.combine(again, handle, config=config)[0]       # synchronous, no event waited for
+        expected = (x.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
+        if not torch.equal(combined, expected):
+            errors.append(f"rank {ctx.rank} round {i}: combine after asynchronous calls differs from x times "
+                          "the number of destination ranks")
+            break
+    buffer.destroy()
+    return errors
+
+
+def test_nvlink_async_then_sync_keeps_stream_order(pool):
+    seed = base_seed()
+    _report(seed, lambda: pool(2).run(run_async_then_sync, seed, 20))
+
+
+# ---------------------------------------------------------------------------------------------------
 # CUDA graph: layout + num_worst_tokens dispatch + combine captured once, replayed with new inputs
 # ---------------------------------------------------------------------------------------------------
 def run_graph(ctx, seed: int, replays: int) -> List[str]:
