@@ -186,6 +186,7 @@ def run_async_then_sync(ctx, seed: int, rounds: int) -> List[str]:
             topk_idx=idx, topk_weights=weights, config=config, async_finish=True)
         again = buffer.dispatch(x, handle=handle, config=config, async_finish=True)[0]
         combined = buffer.combine(again, handle, config=config)[0]       # synchronous, no event waited for
+        # the synchronous combine made this stream wait for the comm stream, so in_rank is complete here
         expected = (x.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
         if not torch.equal(combined, expected):
             errors.append(f"rank {ctx.rank} round {i}: combine after asynchronous calls differs from x times "
