@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+PROFILED = ("get_dispatch_layout", "cached dispatch BF16", "combine")
+
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -62,22 +64,20 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         host_us = (time.perf_counter() - start) / args.calls * 1e6
         torch.cuda.synchronize()
         lines.append(f"  {name:28s} {host_us:8.1f} us")
-        if args.profile and rank == 0 and name in ("cached dispatch BF16", "combine", "get_dispatch_layout"):
+        if args.profile and name in PROFILED:
+            # every rank repeats the calls (their kernels wait for each other); rank 0 profiles them
             dist.barrier()
-            profile = cProfile.Profile()
-            profile.enable()
+            profile = cProfile.Profile() if rank == 0 else None
+            if profile is not None:
+                profile.enable()
             for _ in range(args.calls):
                 fn()
-            profile.disable()
-            torch.cuda.synchronize()
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(22)
-            lines.append(f"--- cProfile of {name}, by own time ---")
-            lines.extend(line for line in text.getvalue().splitlines()[6:] if line.strip())
-        elif args.profile:
-            dist.barrier()
-            for _ in range(args.calls):
-                fn()
+            if profile is not None:
+                profile.disable()
+                text = io.StringIO()
+                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(22)
+                lines.append(f"--- cProfile of {name}, by own time ---")
+                lines.extend(line for line in text.getvalue().splitlines()[6:] if line.strip())
             torch.cuda.synchronize()
     if rank == 0:
         print("\n".join(lines), flush=True)

@@ -234,38 +234,34 @@ class _Ctx:
         `isolated`: a barrier before each call, so it starts on an idle GPU and pays all its host time."""
         for _ in range(self.plan["warmup"]):
             fn()
-        isolated = []
-        for _ in range(self.plan["iters"]):
-            self.barrier()
-            if self.is_cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                isolated.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                isolated.append(time.perf_counter() - t0)
+        isolated = self._series(fn, barrier_each=True)
         self.barrier()
-        streamed = []
-        if self.is_cuda:
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(self.plan["iters"])]
-            for start, end in events:
-                start.record()
-                fn()
-                end.record()
-            self.sync()
-            streamed = [start.elapsed_time(end) / 1e3 for start, end in events]
-        else:
-            for _ in range(self.plan["iters"]):
-                t0 = time.perf_counter()
-                fn()
-                streamed.append(time.perf_counter() - t0)
+        streamed = self._series(fn, barrier_each=False)
         self.barrier()
         return dict(streamed=streamed, isolated=isolated)
+
+    def _series(self, fn: Callable[[], Any], barrier_each: bool) -> List[float]:
+        """Seconds of each of `iters` calls: events around each call (GPU) or the host clock (CPU)."""
+        if not self.is_cuda:
+            times = []
+            for _ in range(self.plan["iters"]):
+                if barrier_each:
+                    self.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return times
+        events = []
+        for _ in range(self.plan["iters"]):
+            if barrier_each:
+                self.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        self.sync()
+        return [start.elapsed_time(end) / 1e3 for start, end in events]
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:

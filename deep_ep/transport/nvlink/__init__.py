@@ -15,6 +15,7 @@ R x C rings (C = channels of the operation); the header before it is extra.
 """
 from __future__ import annotations
 
+import math
 import os
 import weakref
 import zlib
@@ -358,9 +359,7 @@ def _split(flat: torch.Tensor, shapes):
     """Views of consecutive parts of `flat` with the given shapes."""
     views, offset = [], 0
     for shape in shapes:
-        size = 1
-        for n in shape:
-            size *= n
+        size = math.prod(shape)
         views.append(flat[offset:offset + size].view(shape))
         offset += size
     return views
