@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, peer_view, publish, report_timeout, wait_at_least
+from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, channel_tokens, lane, peer_view, publish, report_timeout,
+                   wait_at_least)
 
 OWN_STEP = tl.constexpr(4)   # tiles of own tokens a receiver copies between two looks at its rings
 
@@ -100,9 +101,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
     if pid < C:
         # ---- sender of channel q ----------------------------------------------------------------------------
         q = pid
-        per_channel = tl.cdiv(num_tokens, C)
-        t0 = tl.minimum(q * per_channel, num_tokens)
-        t1 = tl.minimum(t0 + per_channel, num_tokens)
+        t0, t1 = channel_tokens(q, num_tokens, C)
         sent0 = tl.load(ctrl + sent_word + ro * CMAX + q, mask=peers, other=0)
         base = sent0 - tl.load(before_ptr + t0 * R + ro, mask=ro < R, other=0).to(tl.int64)
         head_ptrs = ctrl + head_word + ro * CMAX + q
@@ -162,9 +161,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
         remaining = tl.sum(count)
         failed = remaining < 0
         # this rank's own tokens of channel q go straight to the outputs, copied while no ring has rows
-        per_channel = tl.cdiv(num_tokens, C)
-        own_next = tl.minimum(q * per_channel, num_tokens)
-        own_end = tl.minimum(own_next + per_channel, num_tokens)
+        own_next, own_end = channel_tokens(q, num_tokens, C)
         if OWN_BY_SENDER:
             own_end = own_next
         self_row0 = tl.load(prefix_ptr + rank)
@@ -176,9 +173,9 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
             if tl.sum(avail) > 0:
                 for s in tl.static_range(R):
                     if s != rank:
-                        n = tl.sum(tl.where(ro == s, avail, 0))
-                        first = tl.sum(tl.where(ro == s, recvd0 + taken, 0))
-                        row0 = tl.sum(tl.where(ro == s, out_base + taken, 0))
+                        n = lane(avail, ro, s)
+                        first = lane(recvd0 + taken, ro, s)
+                        row0 = lane(out_base + taken, ro, s)
                         ring = own + 4 * (ring_word + (s * C + q).to(tl.int64) * ring_words)
                         for i in range(0, n, ROWS):
                             index = first + i + to
