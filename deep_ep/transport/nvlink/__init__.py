@@ -34,8 +34,9 @@ BATCH = int(os.environ.get("DEEP_EP_NVLINK_BATCH", "64"))   # tokens (rows per r
 NUM_WARPS = int(os.environ.get("DEEP_EP_NVLINK_NUM_WARPS", "16"))
 DISPATCH_TILE = int(os.environ.get("DEEP_EP_NVLINK_DISPATCH_TILE", "16384"))   # int32 words per step
 COMBINE_TILE = int(os.environ.get("DEEP_EP_NVLINK_COMBINE_TILE", "32768"))     # bf16 values per step
-# which program copies a rank's own tokens to its outputs in dispatch: "sender" or "receiver"
-OWN_ROWS = os.environ.get("DEEP_EP_NVLINK_OWN_ROWS", "receiver")
+# which program copies a rank's own tokens to its outputs in dispatch: "sender" (the measured default) or
+# "receiver" (senders then only push to peers; correct on the GPU, its speed not yet measured on 2 GPUs)
+OWN_ROWS = os.environ.get("DEEP_EP_NVLINK_OWN_ROWS", "sender")
 if OWN_ROWS not in ("sender", "receiver"):
     raise ValueError(f"DEEP_EP_NVLINK_OWN_ROWS must be 'sender' or 'receiver', got {OWN_ROWS!r}")
 _ALIGN = 256
