@@ -51,3 +51,28 @@ def publish(ptrs, values, mask):
     release per counter suffices; a fence in every thread would stall each of them on its NVLink stores."""
     tl.debug_barrier()
     tl.atomic_xchg(ptrs, values, mask=mask, sem="release", scope="sys")
+
+
+@triton.jit
+def peer_view(bases_ptr, rank, R: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Lanes over ranks, which of them are peers, this rank's buffer address (and as int64 counter
+    words) and every rank's buffer address, from the table of peer-mapped base addresses."""
+    ro = tl.arange(0, BLOCK_R)
+    peers = (ro < R) & (ro != rank)
+    own = tl.load(bases_ptr + rank)
+    peer_bases = tl.load(bases_ptr + ro, mask=ro < R, other=0)
+    return ro, peers, own, own.to(tl.pointer_type(tl.int64)), peer_bases
+
+
+@triton.jit
+def lane(values, lanes, i):
+    """Lane i of a per-rank vector, as a scalar."""
+    return tl.sum(tl.where(lanes == i, values, 0))
+
+
+@triton.jit
+def channel_tokens(q, num_tokens, C):
+    """The tokens [first, end) of channel q: each channel takes ceil(T / C) consecutive tokens."""
+    per_channel = tl.cdiv(num_tokens, C)
+    first = tl.minimum(q * per_channel, num_tokens)
+    return first, tl.minimum(first + per_channel, num_tokens)
