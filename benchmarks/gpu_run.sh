@@ -48,7 +48,7 @@ for log in tests_nvlink_compare tests_nvlink_other tests_other tests_own_receive
     echo "PASSED: $(grep -c ' PASSED' "$out/$log.log")"
 done
 
-for sms in 24 24_own_sender 16 8; do
+for sms in 24 24_own_receiver 16 8; do
     grep -v '^\[' "$out/bench_sms$sms.txt" | grep -v CudaIPCTypes | tail -n 15
 done
 echo "bench exit $bench_status"
