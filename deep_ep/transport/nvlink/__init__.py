@@ -35,6 +35,11 @@ BATCH = int(os.environ.get("DEEP_EP_NVLINK_BATCH", "64"))   # tokens (rows per r
 NUM_WARPS = int(os.environ.get("DEEP_EP_NVLINK_NUM_WARPS", "16"))
 DISPATCH_TILE = int(os.environ.get("DEEP_EP_NVLINK_DISPATCH_TILE", "16384"))   # int32 words per step
 COMBINE_TILE = int(os.environ.get("DEEP_EP_NVLINK_COMBINE_TILE", "32768"))     # bf16 values per step
+# which program copies a rank's own tokens to its outputs in dispatch: "sender" (the measured default) or
+# "receiver" (senders then only push to peers; correct on the GPU, its speed not yet measured on 2 GPUs)
+OWN_ROWS = os.environ.get("DEEP_EP_NVLINK_OWN_ROWS", "sender")
+if OWN_ROWS not in ("sender", "receiver"):
+    raise ValueError(f"DEEP_EP_NVLINK_OWN_ROWS must be 'sender' or 'receiver', got {OWN_ROWS!r}")
 _ALIGN = 256
 
 
@@ -302,7 +307,7 @@ class NVLinkTransport(Transport):
             self.timeout_ns, C=C, CMAX=CMAX, R=R, XW=hidden_words, SW=scale_words, K=topk,
             HAS_W=topk_weights is not None, ID_OFF=id_offset, BLOCK_X=_next_pow2(max(hidden_words, 1)),
             BLOCK_S=_next_pow2(max(scale_words, 1)), BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R),
-            ROWS=_rows_per_step(hidden_words, DISPATCH_TILE), num_warps=NUM_WARPS)
+            ROWS=_rows_per_step(hidden_words, DISPATCH_TILE), OWN_BY_SENDER=OWN_ROWS == "sender", num_warps=NUM_WARPS)
         return DispatchOutput(recv_x, recv_scales, recv_idx, recv_weights, None, recv_src)
 
     # ---- combine ---------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, publish, report_timeout, wait_at_least
+from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, channel_tokens, lane, peer_view, publish, report_timeout,
+                   wait_at_least)
 
 
 @triton.jit
@@ -30,12 +31,8 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
                    X_OFF: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
-    ro = tl.arange(0, BLOCK_R)
+    ro, peers, own, ctrl, peer_bases = peer_view(bases_ptr, rank, R, BLOCK_R)
     to = tl.arange(0, ROWS)
-    peers = (ro < R) & (ro != rank)
-    own = tl.load(bases_ptr + rank)
-    ctrl = own.to(tl.pointer_type(tl.int64))
-    peer_bases = tl.load(bases_ptr + ro, mask=ro < R, other=0)
     ho = tl.arange(0, BLOCK_H)
     ko = tl.arange(0, BLOCK_K)
     if pid < C:
@@ -59,9 +56,9 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
             if tl.sum(step) > 0:
                 for k in tl.static_range(R - 1):
                     s = (rank + 1 + k) % R
-                    n = tl.sum(tl.where(ro == s, step, 0))
-                    first = tl.sum(tl.where(ro == s, sent0 + sent, 0))
-                    row0 = tl.sum(tl.where(ro == s, row_base + sent, 0))
+                    n = lane(step, ro, s)
+                    first = lane(sent0 + sent, ro, s)
+                    row0 = lane(row_base + sent, ro, s)
                     ring = tl.load(bases_ptr + s) + 4 * (ring_word + (rank * C + q).to(tl.int64) * ring_words)
                     for i in range(0, n, ROWS):
                         rows = row0 + i + to
@@ -89,9 +86,7 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
     else:
         # ---- reducer of channel q ---------------------------------------------------------------------------
         q = pid - C
-        per_channel = tl.cdiv(num_tokens, C)
-        t0 = tl.minimum(q * per_channel, num_tokens)
-        t1 = tl.minimum(t0 + per_channel, num_tokens)
+        t0, t1 = channel_tokens(q, num_tokens, C)
         recvd0 = tl.load(ctrl + recvd_word + ro * CMAX + q, mask=peers, other=0)
         base = recvd0 - tl.load(before_ptr + t0 * R + ro, mask=ro < R, other=0).to(tl.int64)
         tail_ptrs = ctrl + tail_word + ro * CMAX + q

@@ -11,19 +11,25 @@ Protocol (channel q = tokens [q * ceil(T/C), ...)):
   sender q of rank s: wait until every destination d took all rows of the previous operation out of the
     ring (s, q) (HEAD[d][q] >= SENT[d][q]; a ring may change its slot size between operations). Then per
     batch of tokens: wait until HEAD[d][q] leaves room for the batch's rows, store each token into every
-    peer d that receives it, at slot (row counter mod ring_slots) of ring (s, q) in d's buffer (its own
-    rows go straight to this rank's outputs), and publish TAIL[s][q] in every peer (release, after a
-    system fence).
+    peer d that receives it, at slot (row counter mod ring_slots) of ring (s, q) in d's buffer, and
+    publish TAIL[s][q] in every peer (release, after a system fence). The rank's own tokens go straight
+    to its outputs: from the sender (OWN_BY_SENDER) or from the receiver, so that senders only push over
+    NVLink (which of the two is faster is measured by the benchmark; the setting picks one).
   receiver q of rank d: poll TAIL[s][q] of every source, copy the rows that arrived into the outputs
     (row = first row of (s, q) in the outputs + index), and publish HEAD[d][q] in the source's buffer.
     Sources are served round-robin, so a receiver never waits on one source while another has rows.
+    Unless OWN_BY_SENDER, while no ring has rows it copies a few tiles of this rank's own tokens of
+    channel q straight from x to the outputs, until all are done.
 Rows of (s, q) land in the outputs in token order after the rows of (s, q - 1): the reference order.
 """
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from .sync import NO_PEER, WAIT_ROWS, WAIT_SPACE, publish, report_timeout, row_pointers, wait_at_least
+from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, channel_tokens, lane, peer_view, publish, report_timeout,
+                   row_pointers, wait_at_least)
+
+OWN_STEP = tl.constexpr(4)   # tiles of own tokens a receiver copies between two looks at its rings
 
 
 @triton.jit
@@ -49,20 +55,37 @@ def _store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr, out_s
 
 
 @triton.jit
+def _load_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo, so, ko, XW: tl.constexpr,
+                 SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr,
+                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """A tile of this rank's tokens: payload words, scales, top-k ids and weights (zeros where absent)."""
+    t64 = tokens.to(tl.int64)
+    x = tl.load(row_pointers(x_ptr.to(tl.int64) + t64 * (4 * XW), xo, tl.int32, BLOCK_X),
+                mask=live[:, None] & (xo[None, :] < XW))
+    scales = tl.zeros([ROWS, BLOCK_S], tl.int32)
+    ids = tl.zeros([ROWS, BLOCK_K], tl.int64)
+    weights = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    if SW > 0:
+        scales = tl.load(scales_ptr + t64[:, None] * SW + so[None, :], mask=live[:, None] & (so[None, :] < SW))
+    if K > 0:
+        ids = tl.load(idx_ptr + t64[:, None] * K + ko[None, :], mask=live[:, None] & (ko[None, :] < K))
+        if HAS_W:
+            weights = tl.load(weights_ptr + t64[:, None] * K + ko[None, :], mask=live[:, None] & (ko[None, :] < K))
+    return x, scales, ids, weights
+
+
+@triton.jit
 def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, recv_base_ptr,
                     prefix_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, bases_ptr,
                     status_ptr, num_tokens, num_rows, rank, expert_begin, experts_per_rank, tail_word, head_word,
                     sent_word, recvd_word, ring_word, ring_words, slot_words, ring_slots, batch, timeout_ns,
                     C: tl.constexpr, CMAX: tl.constexpr, R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
                     K: tl.constexpr, HAS_W: tl.constexpr, ID_OFF: tl.constexpr, BLOCK_X: tl.constexpr,
-                    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
+                    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+                    OWN_BY_SENDER: tl.constexpr):
     pid = tl.program_id(0)
-    ro = tl.arange(0, BLOCK_R)
+    ro, peers, own, ctrl, peer_bases = peer_view(bases_ptr, rank, R, BLOCK_R)
     to = tl.arange(0, ROWS)
-    peers = (ro < R) & (ro != rank)
-    own = tl.load(bases_ptr + rank)
-    ctrl = own.to(tl.pointer_type(tl.int64))
-    peer_bases = tl.load(bases_ptr + ro, mask=ro < R, other=0)
     xo = tl.arange(0, BLOCK_X)
     so = tl.arange(0, BLOCK_S)
     ko = tl.arange(0, BLOCK_K)
@@ -71,9 +94,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
     if pid < C:
         # ---- sender of channel q ----------------------------------------------------------------------------
         q = pid
-        per_channel = tl.cdiv(num_tokens, C)
-        t0 = tl.minimum(q * per_channel, num_tokens)
-        t1 = tl.minimum(t0 + per_channel, num_tokens)
+        t0, t1 = channel_tokens(q, num_tokens, C)
         sent0 = tl.load(ctrl + sent_word + ro * CMAX + q, mask=peers, other=0)
         base = sent0 - tl.load(before_ptr + t0 * R + ro, mask=ro < R, other=0).to(tl.int64)
         head_ptrs = ctrl + head_word + ro * CMAX + q
@@ -90,28 +111,19 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                     tokens = first_token + to
                     live = tokens < te
                     t64 = tokens.to(tl.int64)
-                    x = tl.load(row_pointers(x_ptr.to(tl.int64) + t64 * (4 * XW), xo, tl.int32, BLOCK_X),
-                                mask=live[:, None] & (xo[None, :] < XW))
-                    scales = tl.zeros([ROWS, BLOCK_S], tl.int32)
-                    ids = tl.zeros([ROWS, BLOCK_K], tl.int64)
-                    weights = tl.zeros([ROWS, BLOCK_K], tl.float32)
-                    if SW > 0:
-                        scales = tl.load(scales_ptr + t64[:, None] * SW + so[None, :],
-                                         mask=live[:, None] & (so[None, :] < SW))
-                    if K > 0:
-                        ids = tl.load(idx_ptr + t64[:, None] * K + ko[None, :], mask=live[:, None] & (ko[None, :] < K))
-                        if HAS_W:
-                            weights = tl.load(weights_ptr + t64[:, None] * K + ko[None, :],
-                                              mask=live[:, None] & (ko[None, :] < K))
+                    x, scales, ids, weights = _load_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo,
+                                                           so, ko, XW, SW, K, HAS_W, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
                     for d in tl.static_range(R):
-                        send = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
-                        position = tl.load(before_ptr + t64 * R + d, mask=live, other=0)
                         if d == rank:
-                            rows = self_row0 + position
-                            _store_outputs(rows, send & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
-                                           out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
-                                           experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
+                            if OWN_BY_SENDER:
+                                keep = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
+                                rows = self_row0 + tl.load(before_ptr + t64 * R + d, mask=live, other=0)
+                                _store_outputs(rows, keep & (rows < num_rows), x, scales, ids, weights, tokens,
+                                               out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
+                                               expert_begin, experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
                         else:
+                            send = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
+                            position = tl.load(before_ptr + t64 * R + d, mask=live, other=0)
                             index = (tl.load(ctrl + sent_word + d * CMAX + q) - tl.load(before_ptr + t0 * R + d)
                                      + position)
                             slots = (tl.load(bases_ptr + d) + 4 * (ring_word + (rank * C + q).to(tl.int64) * ring_words
@@ -141,17 +153,22 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
         taken = tl.zeros([BLOCK_R], tl.int64)
         remaining = tl.sum(count)
         failed = remaining < 0
+        # this rank's own tokens of channel q go straight to the outputs, copied while no ring has rows
+        own_next, own_end = channel_tokens(q, num_tokens, C)
+        if OWN_BY_SENDER:
+            own_end = own_next
+        self_row0 = tl.load(prefix_ptr + rank)
         start = globaltimer()
-        while (remaining > 0) & (failed == 0):
+        while ((remaining > 0) | (own_next < own_end)) & (failed == 0):
             open_ = peers & (taken < count)
             tails = tl.atomic_add(tail_ptrs, 0, mask=open_, sem="acquire", scope="sys")
             avail = tl.where(open_, tl.minimum(tails - recvd0 - taken, count - taken), 0)
             if tl.sum(avail) > 0:
                 for s in tl.static_range(R):
                     if s != rank:
-                        n = tl.sum(tl.where(ro == s, avail, 0))
-                        first = tl.sum(tl.where(ro == s, recvd0 + taken, 0))
-                        row0 = tl.sum(tl.where(ro == s, out_base + taken, 0))
+                        n = lane(avail, ro, s)
+                        first = lane(recvd0 + taken, ro, s)
+                        row0 = lane(out_base + taken, ro, s)
                         ring = own + 4 * (ring_word + (s * C + q).to(tl.int64) * ring_words)
                         for i in range(0, n, ROWS):
                             index = first + i + to
@@ -184,6 +201,20 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                 taken += avail
                 publish(head_ptrs, recvd0 + taken, peers)
                 remaining = tl.sum(count - taken)
+                start = globaltimer()
+            elif own_next < own_end:
+                for first_token in range(own_next, tl.minimum(own_next + OWN_STEP * ROWS, own_end), ROWS):
+                    tokens = first_token + to
+                    live = tokens < own_end
+                    t64 = tokens.to(tl.int64)
+                    keep = live & (tl.load(in_rank_ptr + t64 * R + rank, mask=live, other=0) != 0)
+                    x, scales, ids, weights = _load_tokens(tokens, keep, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo,
+                                                           so, ko, XW, SW, K, HAS_W, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
+                    rows = self_row0 + tl.load(before_ptr + t64 * R + rank, mask=live, other=0)
+                    _store_outputs(rows, keep & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
+                                   out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
+                                   experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
+                own_next = tl.minimum(own_next + OWN_STEP * ROWS, own_end)
                 start = globaltimer()
             elif globaltimer() - start > timeout_ns:
                 report_timeout(status_ptr, WAIT_ROWS, tl.min(tl.where(open_, ro, NO_PEER)))

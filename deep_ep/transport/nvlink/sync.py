@@ -55,6 +55,31 @@ def publish(ptrs, values, mask):
 
 
 @triton.jit
+def peer_view(bases_ptr, rank, R: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Lanes over ranks, which of them are peers, this rank's buffer address (and as int64 counter
+    words) and every rank's buffer address, from the table of peer-mapped base addresses."""
+    ro = tl.arange(0, BLOCK_R)
+    peers = (ro < R) & (ro != rank)
+    own = tl.load(bases_ptr + rank)
+    peer_bases = tl.load(bases_ptr + ro, mask=ro < R, other=0)
+    return ro, peers, own, own.to(tl.pointer_type(tl.int64)), peer_bases
+
+
+@triton.jit
+def lane(values, lanes, i):
+    """Lane i of a per-rank vector, as a scalar."""
+    return tl.sum(tl.where(lanes == i, values, 0))
+
+
+@triton.jit
+def channel_tokens(q, num_tokens, C):
+    """The tokens [first, end) of channel q: each channel takes ceil(T / C) consecutive tokens."""
+    per_channel = tl.cdiv(num_tokens, C)
+    first = tl.minimum(q * per_channel, num_tokens)
+    return first, tl.minimum(first + per_channel, num_tokens)
+
+
+@triton.jit
 def row_pointers(addresses, offsets, dtype: tl.constexpr, BLOCK: tl.constexpr):
     """[ROWS, BLOCK] pointers: row r at byte address addresses[r] (16-byte aligned), element offsets."""
     ptrs = tl.multiple_of(addresses, 16).to(tl.pointer_type(dtype))[:, None] + offsets[None, :]
