@@ -403,6 +403,7 @@ class Buffer:
                          device=self.device, dtype=torch.int32, shape=(experts_per_rank,))
         self._check_wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
         self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._transport.check_low_latency_errors()
         half = self._slots.acquire("low_latency_dispatch")
         options = LowLatencyOptions(use_fp8, round_scale, use_ue8m0)
 
@@ -466,6 +467,7 @@ class Buffer:
         self._check_low_latency_capacity(num_max_tokens, hidden, num_experts)
         source = self._combine_send_view(self._slots.next_half, experts_per_rank, num_max_tokens, hidden) \
             if zero_copy else x
+        self._transport.check_low_latency_errors()
         half = self._slots.acquire("low_latency_combine")
         result = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
 

@@ -92,6 +92,9 @@ class Transport(ABC):
                             wait_stats: Optional[torch.Tensor], half: int) -> Callable[[], None]:
         """Send expert outputs back; the receive step writes the weighted sums into `out`."""
 
+    def check_low_latency_errors(self) -> None:
+        """Raise what an earlier low-latency call found on the GPU (called before each low-latency call)."""
+
     def clean_low_latency(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
         """Reset the transport's low-latency state (every rank, between two barriers, nothing in flight)."""
 

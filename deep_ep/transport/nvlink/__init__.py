@@ -343,8 +343,10 @@ class NVLinkTransport(Transport):
         return combined, combined_weights
 
     # ---- low latency (low_latency.py) ----------------------------------------------------------------------
-    def _check_low_latency_status(self) -> None:
+    def check_low_latency_errors(self) -> None:
         """Report a timeout, or expert ids out of range seen by an earlier low-latency kernel."""
+        if self.low_latency is None:
+            return
         self._check_status()
         words = self._status_words
         if words[2]:
@@ -358,7 +360,6 @@ class NVLinkTransport(Transport):
         if self.low_latency is None:
             return self.reference.low_latency_dispatch(x, topk_idx, num_max_tokens, num_experts, options, mask,
                                                        wait_stats, half)
-        self._check_low_latency_status()
         return self.low_latency.dispatch(x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt, mask,
@@ -366,7 +367,6 @@ class NVLinkTransport(Transport):
         if self.low_latency is None:
             return self.reference.low_latency_combine(x, topk_idx, topk_weights, src_info, layout_range,
                                                       num_max_tokens, use_logfmt, mask, out, wait_stats, half)
-        self._check_low_latency_status()
         return self.low_latency.combine(x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt,
                                         mask, out, wait_stats, half)
 

@@ -6,7 +6,8 @@ Areas of one buffer half, identical in every rank's low-latency buffer (byte off
   ROWS[t * K + k]  bf16 [H]: the expert output for this rank's selection (token t, top-k slot k)
 Send (NUM_SENDERS programs over blocks of received rows, all local experts laid end to end): row j of local
   expert e came from (source s, token t, slot k), as the dispatch's route table says; store x[e, j] into
-  ROWS[t * K + k] of rank s unless s is masked. Then every program adds 1 to ARRIVED[me] of every unmasked
+  ROWS[t * K + k] of rank s unless s is masked. With LogFMT the row is first rounded to what a LogFMT-10
+  receiver decodes (deep_ep.fp8.logfmt_roundtrip's rules, computed here); it still travels as bf16. Then every program adds 1 to ARRIVED[me] of every unmasked
   rank (release, after a barrier over the program's stores).
 Receive (programs over tokens): wait until ARRIVED[r] >= NUM_SENDERS * (combines this half received before
   + 1) for every unmasked rank r, then out[t] = bf16(acc) with acc = 0; for k ascending over valid
@@ -16,18 +17,55 @@ Receive (programs over tokens): wait until ARRIVED[r] >= NUM_SENDERS * (combines
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from .sync import finish_receive, report_bad_ids, row_pointers, wait_arrivals
 
 WAIT_LL_COMBINE = tl.constexpr(5)
+LOGFMT_CODES = tl.constexpr(510)
+
+
+@triton.jit
+def _logfmt_roundtrip(values, H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """[ROWS, BLOCK_H] bf16 rows (zeros past H) -> what a LogFMT-10 receiver reconstructs, in float32: per
+    128-channel group a 9-bit code on a log2 grid between max(log2(amin), log2(amax) - 32) and log2(amax),
+    rounded to the nearer level in linear space; a chunk of 1024 channels (512 unless H % 1024 == 0) is
+    encoded only if all its groups have amax < 1 and amin < amax. Compiled without fused multiply-adds and
+    with correctly rounded log2/exp2/division, as torch computes it."""
+    G: tl.constexpr = BLOCK_H // 128
+    CHUNK_GROUPS: tl.constexpr = 8 if H % 1024 == 0 else 4
+    v = tl.reshape(values.to(tl.float32), [ROWS, G, 128])
+    mag = tl.abs(v)
+    amax = tl.max(mag, axis=2)
+    amin = tl.min(mag, axis=2)
+    log_amax = libdevice.log2(amax)
+    log_amin = tl.maximum(libdevice.log2(amin), log_amax - 32.0)
+    step = tl.div_rn(log_amax - log_amin, tl.full([ROWS, G], 510.0, tl.float32))
+    safe_step = tl.where(step > 0, step, 1.0)[:, :, None]
+    low_amin = log_amin[:, :, None]
+    position = tl.div_rn(libdevice.log2(mag) - low_amin, safe_step + tl.zeros_like(mag))
+    low = tl.minimum(tl.maximum(libdevice.floor(position), -1.0), 510.0)
+    high = tl.minimum(low + 1.0, 510.0)
+    below = tl.where(low < 0, 0.0, libdevice.exp2(low * safe_step + low_amin))
+    above = tl.where(high < 0, 0.0, libdevice.exp2(high * safe_step + low_amin))
+    decoded = tl.where(tl.abs(mag - below) <= tl.abs(above - mag), below, above)
+    decoded = tl.where(mag == 0, 0.0, decoded)
+    sign = v.to(tl.int32, bitcast=True) & (-2147483648)
+    decoded = (decoded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    group = tl.arange(0, G)[None, :]
+    group_ok = ((log_amax < 0) & (amin < amax)) | (group >= (H + 127) // 128)   # groups past the end never veto
+    chunk_ok = tl.min(tl.reshape(group_ok.to(tl.int32), [ROWS, G // CHUNK_GROUPS, CHUNK_GROUPS]), axis=2)
+    encoded = tl.reshape(tl.broadcast_to(chunk_ok[:, :, None], [ROWS, G // CHUNK_GROUPS, CHUNK_GROUPS]), [ROWS, G])
+    out = tl.where(encoded[:, :, None] > 0, decoded, v)
+    return tl.reshape(out, [ROWS, BLOCK_H])
 
 
 @triton.jit
 def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, rank, experts_per_rank,
                            num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
-                           ROWS: tl.constexpr):
+                           LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+                           BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
     num_senders = tl.num_programs(0)
     ro = tl.arange(0, BLOCK_R)
@@ -54,7 +92,9 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, ra
         if HAS_MASK:
             live = live & (tl.load(mask_ptr + source, mask=live, other=1) == 0)
         values = tl.load(x_ptr + (expert.to(tl.int64) * x_expert_stride + row.to(tl.int64) * x_row_stride)[:, None]
-                         + ho[None, :], mask=live[:, None] & (ho[None, :] < H))
+                         + ho[None, :], mask=live[:, None] & (ho[None, :] < H), other=0.0)
+        if LOGFMT:
+            values = _logfmt_roundtrip(values, H, ROWS, BLOCK_H).to(tl.bfloat16)
         base = tl.load(bases_ptr + source, mask=live, other=0)
         dest = base + rows_offset + (route - source * (num_max_tokens * K)).to(tl.int64) * (2 * H)
         tl.store(row_pointers(dest, ho, tl.bfloat16, BLOCK_H), values, mask=live[:, None] & (ho[None, :] < H))

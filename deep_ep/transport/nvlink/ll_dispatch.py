@@ -42,11 +42,13 @@ def _quantize(row, H: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, BL
         multiplier = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
     else:
         scale_inv = amax * (1.0 / 448.0)
-        multiplier = libdevice.div_rn(tl.full([G], 448.0, tl.float32), amax)
+        multiplier = tl.div_rn(tl.full([G], 448.0, tl.float32), amax)
     scaled = tl.reshape(groups * multiplier[:, None], [BLOCK_H])
     data = tl.clamp(scaled, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
-    if UE8M0:
-        exponent_bytes = tl.reshape((scale_inv.to(tl.int32, bitcast=True) >> 23) & 0xFF, [G // 4, 4])
+    if UE8M0:   # groups past the end of the row pack as 0, as deep_ep.fp8.pack_ue8m0 does
+        exponent_bytes = tl.where(tl.arange(0, G) < (H + 127) // 128,
+                                  (scale_inv.to(tl.int32, bitcast=True) >> 23) & 0xFF, 0)
+        exponent_bytes = tl.reshape(exponent_bytes, [G // 4, 4])
         shifts = tl.arange(0, 4) * 8
         words = tl.sum(exponent_bytes << shifts[None, :], axis=1)
     else:

@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ...config import LowLatencyLayout, _round_up
-from ...fp8 import logfmt_roundtrip, num_scale_groups
+from ...fp8 import num_scale_groups
 from ...group import Group, Topology
 from ..base import LowLatencyDispatchOutput, LowLatencyOptions
 
@@ -164,16 +164,15 @@ class NVLinkLowLatency:
                              f"columns), got {topk}")
         geometry = self._geometry(num_max_tokens, hidden, num_experts, half, num_max_tokens * topk * hidden * 2,
                                   "low_latency_combine")
-        if use_logfmt:   # what the receiver would decode: encoded and decoded here, sent as bf16
-            x = logfmt_roundtrip(x.reshape(-1, hidden)).view(x.shape)
         mask = None if mask is None else mask.clone()
         mask_arg = self._no_words if mask is None else mask
-        block_e = _next_pow2(experts_per_rank)
+        block_h = max(_next_pow2(hidden), 1024) if use_logfmt else _next_pow2(hidden)
         ll_combine_send_kernel[(NUM_SENDERS,)](
             x, layout_range, route, self.peers.bases, mask_arg, rank, experts_per_rank, num_max_tokens, x.stride(0),
             x.stride(1), geometry.data, geometry.arrived[_COMBINE], H=hidden, K=topk, R=R,
-            HAS_MASK=mask is not None, BLOCK_H=_next_pow2(hidden), BLOCK_E=block_e, BLOCK_R=_next_pow2(R),
-            ROWS=COMBINE_SEND_ROWS, num_warps=NUM_WARPS)
+            HAS_MASK=mask is not None, LOGFMT=use_logfmt, BLOCK_H=block_h, BLOCK_E=_next_pow2(experts_per_rank),
+            BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS, num_warps=NUM_WARPS,
+            enable_fp_fusion=not use_logfmt)
         state = self.state[half, _COMBINE]
 
         def receive() -> None:

@@ -1,0 +1,273 @@
+"""The NVLink low-latency path on the GPU machine (skipped elsewhere).
+
+Run with `DEEP_EP_TEST_DEVICE=cuda python -m pytest tests/test_nvlink_low_latency.py`. Ranks share the GPUs
+when there are more ranks than GPUs (gloo control plane, CUDA IPC between the processes). On GPUs,
+tests/test_low_latency.py also runs on this path ("auto" picks it) against the model; these tests add the
+bitwise comparison with the reference transport at decode shapes, 8 ranks, CUDA-graph replays with
+changing routing, hooks called from another thread, and the errors found on the GPU.
+"""
+import threading
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+
+from randomness import base_seed, bits, generator
+from test_low_latency import make_routing, make_x
+
+pytestmark = pytest.mark.gpu
+
+
+def _same(errors: List[str], what: str, got: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> None:
+    if got is None or expected is None:
+        if (got is None) != (expected is None):
+            errors.append(f"{what}: one side is None")
+        return
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        errors.append(f"{what}: {tuple(got.shape)} {got.dtype} vs reference {tuple(expected.shape)} {expected.dtype}")
+    elif not torch.equal(bits(got), bits(expected)):
+        diff = (bits(got) != bits(expected)).nonzero()
+        errors.append(f"{what}: differs from the reference at {diff.shape[0]} places, first {diff[0].tolist()}")
+
+
+def _valid_rows(t: torch.Tensor, counts: List[int]) -> List[torch.Tensor]:
+    return [t[e, :c] for e, c in enumerate(counts)]
+
+
+def _tokens(shape: Dict[str, Any], rank: int) -> int:
+    """Tokens of a rank: the shape's list, repeated over more ranks; rank 3 has none."""
+    return 0 if rank == 3 else shape["tokens"][rank % len(shape["tokens"])]
+
+
+def _expert_outputs(seed: int, key: Any, rows: int, hidden: int, device) -> torch.Tensor:
+    """bf16 values over 2^-16..2^16 (fp32 sums of a few are inexact, so the order shows in the bits), made on
+    the GPU (decode shapes have hundreds of MB of them)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(generator(seed, key).initial_seed())
+    scale = torch.exp2(torch.randint(-16, 17, (rows, hidden), generator=gen, device=device).float())
+    return (torch.randn((rows, hidden), generator=gen, device=device) * scale).to(torch.bfloat16)
+
+
+MODES = [  # (dispatch mode, combine kind, combine mode)
+    ("sync", "plain", "sync"), ("hook", "out", "hook"), ("async", "zero_copy", "async"), ("sync", "logfmt", "hook")]
+
+
+def _dispatch(buf, x, idx, shape, mode, cum=None, wait=None):
+    out = buf.low_latency_dispatch(x, idx, shape["N"], shape["experts"], cumulative_local_expert_recv_stats=cum,
+                                   dispatch_wait_recv_cost_stats=wait, use_fp8=shape.get("fp8", False),
+                                   round_scale=shape.get("round_scale", False), use_ue8m0=shape.get("ue8m0", False),
+                                   async_finish=mode == "async", return_recv_hook=mode == "hook")
+    _complete(out[3], out[4], mode)
+    return out
+
+
+def _complete(event, hook, mode) -> None:
+    if mode == "hook":   # from another thread, as vLLM's dual-batch overlap does
+        worker = threading.Thread(target=hook)
+        worker.start()
+        worker.join()
+    elif mode == "async":
+        event.current_stream_wait()
+
+
+def _combine(buf, y, idx, weights, handle, kind, mode):
+    out = torch.full((idx.shape[0], y.shape[2]), float("nan"), dtype=torch.bfloat16, device=y.device) \
+        if kind == "out" else None
+    if kind == "zero_copy":
+        buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+        y = torch.full_like(y, float("nan"))
+    combined, event, hook = buf.low_latency_combine(y, idx, weights, handle, use_logfmt=kind == "logfmt",
+                                                    zero_copy=kind == "zero_copy", async_finish=mode == "async",
+                                                    return_recv_hook=mode == "hook", out=out)
+    _complete(event, hook, mode)
+    return combined
+
+
+def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]]) -> List[str]:
+    """Low-latency dispatch and combine on the NVLink path and on the reference transport: bitwise equal."""
+    from deep_ep import Buffer
+    errors: List[str] = []
+    R, rank = ctx.world_size, ctx.rank
+    for shape in shapes:
+        n, hidden, num_experts = shape["N"], shape["hidden"], shape["experts"]
+        e_loc = num_experts // R
+        hint = Buffer.get_low_latency_rdma_size_hint(n, hidden, R, num_experts)
+        buffers = {label: Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=e_loc,
+                                 transport=label, explicitly_destroy=True, timeout_s=60)
+                   for label in ("nvlink", "reference")}
+        for i, (dmode, ckind, cmode) in enumerate(MODES):
+            name = f"rank {rank} {shape['name']} round {i} ({dmode}/{ckind}/{cmode})"
+            gen = generator(seed, shape["name"], i, rank)
+            num_tokens = _tokens(shape, rank)
+            hot = generator(seed, shape["name"]).initial_seed() % num_experts
+            idx, weights = make_routing(gen, num_tokens, shape["topk"], num_experts, shape.get("routing", "uniform"),
+                                        shape.get("mask_frac", 0.0), hot)
+            x = make_x(gen, num_tokens, hidden).to(ctx.device)
+            idx, weights = idx.to(ctx.device), weights.to(ctx.device)
+            y = _expert_outputs(seed, (shape["name"], i, rank), e_loc * R * n, hidden, ctx.device).view(e_loc, R * n,
+                                                                                                      hidden)
+            outs = {}
+            for label, buf in buffers.items():
+                cum = torch.full((e_loc,), 7, dtype=torch.int32, device=ctx.device)
+                recv_x, count, handle, _, _ = _dispatch(buf, x, idx, shape, dmode, cum=cum)
+                combined = _combine(buf, y, idx, weights, handle, ckind, cmode)
+                torch.cuda.synchronize()
+                outs[label] = (recv_x, count, handle, combined, cum)
+            (recv_x, count, handle, combined, cum), (r_recv_x, r_count, r_handle, r_combined, r_cum) = \
+                outs["nvlink"], outs["reference"]
+            _same(errors, f"{name} recv_count", count, r_count)
+            _same(errors, f"{name} cumulative stats", cum, r_cum)
+            _same(errors, f"{name} layout_range", handle[1], r_handle[1])
+            _same(errors, f"{name} src_info", handle[0], r_handle[0])
+            counts = r_count.tolist()
+            data, r_data = (recv_x, r_recv_x) if isinstance(recv_x, tuple) else ((recv_x,), (r_recv_x,))
+            for j, (got, expected) in enumerate(zip(data, r_data)):
+                for e, (g, x_) in enumerate(zip(_valid_rows(got, counts), _valid_rows(expected, counts))):
+                    _same(errors, f"{name} recv_x[{j}] expert {e}", g, x_)
+            _same(errors, f"{name} combined", combined, r_combined)
+        for buf in buffers.values():
+            buf.destroy()
+    return errors
+
+
+LL_SWEEP = [  # tokens 0/1/128/512, hidden 2048/2880/4096/7168, top-k 1/8/32, skewed, masked, duplicates
+    dict(name="deepseek-decode-fp8", tokens=[128, 128], N=128, hidden=7168, topk=8, experts=288, fp8=True),
+    dict(name="h4096-top32-skewed-bf16", tokens=[512, 300], N=512, hidden=4096, topk=32, experts=64,
+         routing="skewed", mask_frac=0.1),
+    dict(name="h2880-top1-one-token-ue8m0", tokens=[1, 0], N=8, hidden=2880, topk=1, experts=16, fp8=True,
+         round_scale=True, ue8m0=True),
+    dict(name="h2048-top8-round-scale-masked", tokens=[0, 128], N=128, hidden=2048, topk=8, experts=32, fp8=True,
+         round_scale=True, mask_frac=0.3),
+    dict(name="h7168-top32-duplicates-bf16", tokens=[64, 37], N=64, hidden=7168, topk=32, experts=32,
+         routing="dup"),
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_ll_nvlink_matches_reference(pool, world_size):
+    seed = base_seed()
+    shapes = LL_SWEEP if world_size == 2 else LL_SWEEP[:1] + LL_SWEEP[2:4]
+    results = pool(world_size).run(run_compare, seed, shapes, timeout=900)
+    errors = [e for per_rank in results for e in per_rank]
+    assert not errors, f"seed={seed} (replay: DEEP_EP_TEST_SEED={seed}): {len(errors)} mismatches\n" + \
+        "\n".join(errors[:30])
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA graph: dispatch + combine captured once, replayed with new routing and data every time
+# ---------------------------------------------------------------------------------------------------
+GRAPH_REPLAYS = 10_000
+
+
+def run_graph(ctx, seed: int, replays: int, hook: bool) -> Dict[str, int]:
+    """combine(dispatch(x)) with identity experts must be bf16(sum over valid k of w * x) in the library's
+    order; mismatching tokens are counted on the GPU and read once at the end."""
+    from deep_ep import Buffer
+    n, hidden, topk, num_experts = 64, 2048, 8, 8 * ctx.world_size
+    buffer = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, ctx.world_size, num_experts),
+                    low_latency_mode=True, transport="nvlink", explicitly_destroy=True, timeout_s=60)
+    dev = ctx.device
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed + ctx.rank)
+    num_tokens = n - 7 * ctx.rank
+    x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
+    idx = torch.empty((num_tokens, topk), dtype=torch.int64, device=dev)
+    weights = torch.empty((num_tokens, topk), dtype=torch.float32, device=dev)
+    out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
+
+    def refill() -> None:
+        x.copy_(torch.randn(x.shape, generator=gen, device=dev))
+        scores = torch.rand(num_tokens, num_experts, generator=gen, device=dev)
+        chosen = scores.topk(topk, dim=1).indices
+        idx.copy_(torch.where(torch.rand(chosen.shape, generator=gen, device=dev) < 0.1, -1, chosen))
+        weights.copy_(torch.randn(weights.shape, generator=gen, device=dev))
+
+    def step() -> None:
+        recv_x, _, handle, _, dispatch_hook = buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False,
+                                                                           return_recv_hook=hook)
+        if hook:
+            dispatch_hook()
+        _, _, combine_hook = buffer.low_latency_combine(recv_x, idx, weights, handle, out=out, return_recv_hook=hook)
+        if hook:
+            combine_hook()
+
+    refill()
+    step()   # compiles the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    wrong = torch.zeros((), dtype=torch.int64, device=dev)
+    for _ in range(replays):
+        refill()
+        graph.replay()
+        acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=dev)
+        for k in range(topk):
+            acc = torch.where((idx[:, k] >= 0)[:, None], acc + weights[:, k:k + 1] * x.float(), acc)
+        wrong += (out != acc.to(torch.bfloat16)).any(dim=1).sum()
+    result = dict(wrong_tokens=int(wrong), replays=replays)
+    buffer.destroy()
+    return result
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["plain", "hooks"])
+def test_ll_nvlink_cuda_graph_replays(pool, hook):
+    seed = base_seed()
+    replays = GRAPH_REPLAYS if not hook else 200
+    results = pool(2).run(run_graph, seed, replays, hook, timeout=900)
+    for rank, r in enumerate(results):
+        assert r["replays"] == replays
+        assert r["wrong_tokens"] == 0, f"seed {seed}: rank {rank}: {r['wrong_tokens']} wrong tokens"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors found on the GPU: bad expert ids (reported at the next call), a peer that never comes
+# ---------------------------------------------------------------------------------------------------
+def run_ll_errors(ctx) -> Dict[str, str]:
+    import deep_ep
+    from deep_ep import Buffer
+    out: Dict[str, str] = {}
+    n, hidden, num_experts = 8, 256, 8
+    buffer = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, 2, num_experts),
+                    low_latency_mode=True, transport="nvlink", explicitly_destroy=True, timeout_s=3)
+    x = torch.randn(n, hidden, device=ctx.device).to(torch.bfloat16)
+    idx = torch.tensor([[0, 5]] * n, dtype=torch.int64, device=ctx.device)
+    weights = torch.ones((n, 2), dtype=torch.float32, device=ctx.device)
+    bad = idx.clone()
+    if ctx.rank == 1:
+        bad[3, 1] = num_experts + 5
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, bad, n, num_experts, use_fp8=False)
+    buffer.low_latency_combine(recv_x, bad, weights, handle)
+    torch.cuda.synchronize()
+    if ctx.rank == 1:   # the next call on the rank with the bad id raises before it sends anything
+        try:
+            buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+            out["bad_expert"] = "no error"
+        except ValueError as error:
+            out["bad_expert"] = "ValueError: " + str(error)
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+    combined = buffer.low_latency_combine(recv_x, idx, weights, handle)[0]
+    out["after"] = str(bool(torch.equal(combined, (2 * x.float()).to(torch.bfloat16))))
+    if ctx.rank == 0:   # rank 1 never comes: rank 0's receive gives up after timeout_s
+        buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+        torch.cuda.synchronize()
+        try:
+            buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+            out["timeout"] = "no error"
+        except deep_ep.CommTimeoutError as error:
+            out["timeout"] = "CommTimeoutError: " + str(error)
+    return out
+
+
+def test_ll_nvlink_errors(pool):
+    from dist_utils import get_pool
+    try:
+        results = pool(2).run(run_ll_errors, timeout=120)
+    finally:
+        get_pool(2).restart()   # rank 0's Buffer is broken after the timeout
+    assert results[1]["bad_expert"].startswith("ValueError") and "13" in results[1]["bad_expert"] \
+        and "topk_idx" in results[1]["bad_expert"], results[1]["bad_expert"]
+    for rank, r in enumerate(results):
+        assert r["after"] == "True", f"rank {rank}: wrong result after the refused call"
+    timeout = results[0]["timeout"]
+    assert timeout.startswith("CommTimeoutError") and "rank 0" in timeout and "rank 1" in timeout, timeout
