@@ -484,7 +484,8 @@ class Buffer:
         return result, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
-        """A bf16 `[E_loc, R*N, H]` view (row stride `H + H/64`) of the area the next low-latency combine
+        """A bf16 `[E_loc, R*N, H]` view (row stride `H + 2 * (H // 128)`, DeepEP's `H + H/64` for multiples of
+        128, so that the rows fill the send area exactly) of the area the next low-latency combine
         sends from: write expert outputs here and call `low_latency_combine(..., zero_copy=True)`."""
         self._live("get_next_low_latency_combine_buffer")
         self._require_low_latency("get_next_low_latency_combine_buffer")
@@ -544,7 +545,7 @@ class Buffer:
 
     def _combine_send_view(self, half: int, experts_per_rank: int, num_max_tokens: int, hidden: int) -> torch.Tensor:
         layout = LowLatencyLayout(num_max_tokens, hidden, experts_per_rank * self.group_size)
-        row = hidden + hidden // 64
+        row = hidden + 2 * (hidden // 128)   # a combine message is 2 * H + 4 * (H // 128) bytes
         slots = self.group_size * num_max_tokens
         start = layout.send_offset(half)
         area = self._rdma_buffer[start:start + experts_per_rank * slots * row * 2].view(torch.bfloat16)
