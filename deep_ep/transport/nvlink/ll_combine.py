@@ -2,24 +2,25 @@
 hook) at the tokens' ranks.
 
 Areas of one buffer half, identical in every rank's low-latency buffer (byte offsets from the host):
-  ARRIVED[src]     int64 (signal area, apart from the dispatch's): send programs of `src` that finished here
+  ARRIVED[src]     int64 (signal area, shared with the dispatch): send programs of `src` that finished here
+  RECEIVED         int64 (signal area): calls on this half whose receive has finished here
   ROWS[t * K + k]  bf16 [H]: the expert output for this rank's selection (token t, top-k slot k)
-Send (NUM_SENDERS programs over blocks of received rows, all local experts laid end to end): row j of local
+Send (NUM_SENDERS programs over blocks of received rows, all local experts laid end to end): wait until
+  RECEIVED of every unmasked rank equals this rank's (as in the dispatch). Row j of local
   expert e came from (source s, token t, slot k), as the dispatch's route table says; store x[e, j] into
   ROWS[t * K + k] of rank s unless s is masked. With LogFMT the row is first rounded to what a LogFMT-10
   receiver decodes (deep_ep.fp8.logfmt_roundtrip's rules, computed here); it still travels as bf16. Then every program adds 1 to ARRIVED[me] of every unmasked
   rank (release, after a barrier over the program's stores).
-Receive (programs over tokens): wait until ARRIVED[r] >= NUM_SENDERS * (combines this half received before
-  + 1) for every unmasked rank r, then out[t] = bf16(acc) with acc = 0; for k ascending over valid
+Receive (programs over tokens): wait until ARRIVED[r] >= NUM_SENDERS * (RECEIVED + 1) for every unmasked
+  rank r, then out[t] = bf16(acc) with acc = 0; for k ascending over valid
   selections whose rank is not masked: acc = f32(acc + f32(w[t, k] * ROWS[t * K + k])) -- the reference's
-  rounding (compiled without fused multiply-adds). The last program to finish counts the combine as
-  received (STATE = [received, finished programs]).
+  rounding (compiled without fused multiply-adds). The last program to finish publishes RECEIVED + 1.
 """
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .sync import finish_receive, report_bad_ids, row_pointers, wait_arrivals
+from .sync import finish_receive, report_bad_ids, row_pointers, wait_arrivals, wait_half_free
 
 WAIT_LL_COMBINE = tl.constexpr(5)
 LOGFMT_CODES = tl.constexpr(510)
@@ -61,8 +62,9 @@ def _logfmt_roundtrip(values, H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.c
 
 
 @triton.jit
-def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, rank, experts_per_rank,
+def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank,
                            num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset,
+                           received_offset, timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
                            LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
                            BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
@@ -82,6 +84,8 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, ra
     per_expert = tl.sum((ranges & 0xFFFFFFFF).to(tl.int32), axis=1)
     ends = tl.cumsum(per_expert, axis=0)          # rows of experts 0..e, all experts laid end to end
     total = tl.sum(per_expert)
+    if not wait_half_free(bases_ptr, rank, received_offset, rank_open, ro, timeout_ns, status_ptr):
+        total = 0   # a rank stopped receiving: send nothing (the host reports the timeout)
     for g0 in range(pid * ROWS, total, num_senders * ROWS):
         g = g0 + po
         live = g < total
@@ -105,7 +109,8 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, ra
 
 
 @triton.jit
-def ll_combine_recv_kernel(rows_ptr, arrived_ptr, state_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
+def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr,
+                           stats_ptr,
                            status_ptr, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
                            HAS_STATS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -118,7 +123,7 @@ def ll_combine_recv_kernel(rows_ptr, arrived_ptr, state_ptr, idx_ptr, weights_pt
         open_ = (ro < R) & (tl.load(mask_ptr + ro, mask=ro < R, other=1) == 0)
     else:
         open_ = ro < R
-    received = tl.load(state_ptr)
+    received = tl.load(received_ptr)
     ok = wait_arrivals(arrived_ptr + ro, (received + 1) * num_senders, open_, ro, stats_ptr, pid == 0,
                        timeout_ns, status_ptr, WAIT_LL_COMBINE, HAS_STATS)
     if ok:
@@ -138,4 +143,4 @@ def ll_combine_recv_kernel(rows_ptr, arrived_ptr, state_ptr, idx_ptr, weights_pt
                     values = tl.load(rows_ptr + (t.to(tl.int64) * K + k) * H + ho, mask=ho < H, other=0.0)
                     acc = acc + w * values.to(tl.float32)
             tl.store(out_ptr + t.to(tl.int64) * H + ho, acc.to(tl.bfloat16), mask=ho < H)
-    finish_receive(state_ptr, received)
+    finish_receive(finished_ptr, received_ptr, received)

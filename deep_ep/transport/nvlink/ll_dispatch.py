@@ -3,25 +3,27 @@
 
 Areas of one buffer half, identical in every rank's low-latency buffer (byte offsets from the host):
   ARRIVED[src]         int64 (signal area): send programs of `src` that finished their stores here
+  RECEIVED             int64 (signal area): calls on this half whose receive has finished here
   MASKS[e][src][t]     int32: bit k set when token t of rank `src` selected local expert e in top-k slot k
   SLOTS[e][src][t]     token t's row for local expert e: [payload words | scale words], 16-byte aligned
-Send (NUM_SENDERS programs; token t by program t mod NUM_SENDERS): load the row, cast it to e4m3 once if
-  asked, then for every distinct valid expert e of the token whose rank d is not masked: store the row
+Send (NUM_SENDERS programs; token t by program t mod NUM_SENDERS): wait until RECEIVED of every unmasked
+  rank equals this rank's (it has read what the previous call on this half left there; the combine waits
+  the same way). Load the row, cast it to e4m3 once if asked, then for every distinct valid expert e of the token whose rank d is not masked: store the row
   into SLOTS[e][me][t] and the token's slot bits into MASKS[e][me][t] of rank d. Finally every program
   adds 1 to ARRIVED[me] of every unmasked rank (release, after a barrier over the program's stores).
-Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (dispatches this half
-  received before + 1) for every unmasked source s (counters only grow). Expand MASKS[e] in the order
+Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (RECEIVED + 1) for every
+  unmasked source s (counters only grow; a half serves dispatches and combines alike). Expand MASKS[e] in the order
   (source, token, slot) -- the reference order -- into output rows: row p of expert e copies its token's
   slot (a token that lists e twice gets two rows), src_info[e, p] = t and route[e, p] = (s, t * K + k) for
   the combine; then layout_range, recv_count, and MASKS[e] cleared for the next use of the half. The last
-  program to finish counts the dispatch as received (STATE = [received, finished programs]).
+  program to finish publishes RECEIVED + 1.
 A wait that exceeds the timeout records (code, peer) in the host-visible status and skips the copies.
 """
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .sync import finish_receive, report_bad_ids, wait_arrivals
+from .sync import finish_receive, report_bad_ids, wait_arrivals, wait_half_free
 
 FP8_MAX = tl.constexpr(448.0)
 WAIT_LL_DISPATCH = tl.constexpr(4)
@@ -59,6 +61,7 @@ def _quantize(row, H: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, BL
 @triton.jit
 def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
                             experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset,
+                            received_offset, timeout_ns,
                             H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
                             ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
                             SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -73,6 +76,8 @@ def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num
         rank_open = (ro < R) & (tl.load(mask_ptr + ro, mask=ro < R, other=1) == 0)
     else:
         rank_open = ro < R
+    if not wait_half_free(bases_ptr, rank, received_offset, rank_open, ro, timeout_ns, status_ptr):
+        num_tokens = 0   # a rank stopped receiving: send nothing (the host reports the timeout)
     for t in range(pid, num_tokens, num_senders):
         ids = tl.load(idx_ptr + t.to(tl.int64) * K + ko, mask=ko < K, other=-1)
         in_range = (ids >= 0) & (ids < num_experts)
@@ -110,7 +115,8 @@ def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num
 
 
 @triton.jit
-def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, state_ptr, mask_ptr, stats_ptr, status_ptr,
+def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, stats_ptr,
+                            status_ptr,
                             out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank,
                             experts_per_rank, num_max_tokens, num_senders, timeout_ns, K: tl.constexpr,
                             R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr,
@@ -123,7 +129,7 @@ def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, state_ptr, mask_p
         open_ = (ro < R) & (tl.load(mask_ptr + ro, mask=ro < R, other=1) == 0)
     else:
         open_ = ro < R
-    received = tl.load(state_ptr)
+    received = tl.load(received_ptr)
     ok = wait_arrivals(arrived_ptr + ro, (received + 1) * num_senders, open_, ro, stats_ptr, pid == 0,
                        timeout_ns, status_ptr, WAIT_LL_DISPATCH, HAS_STATS)
     if ok:
@@ -175,4 +181,4 @@ def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, state_ptr, mask_p
                 tl.store(src_info_ptr + out_base + p, tl.full([BLOCK_RN], -1, tl.int32), mask=p < RN)
             tl.debug_barrier()   # every thread has read the table before it is cleared
             tl.store(table + jo, tl.zeros([BLOCK_RN], tl.int32), mask=jo < RN)
-    finish_receive(state_ptr, received)
+    finish_receive(finished_ptr, received_ptr, received)

@@ -3,9 +3,9 @@ protocols).
 
 The area is the Buffer's `num_rdma_bytes`, laid out as config.LowLatencyLayout says (DeepEP's
 `[signal0][signal1][send0][send1][recv0][recv1]`), so the size hint and the zero-copy combine view keep
-their meaning. Inside a half: the signal area holds the dispatch's and the combine's ARRIVED counters
-(R int64 each); the receive area holds MASKS, then SLOTS (dispatch) or ROWS (combine), which share the
-space because a half serves one call at a time. The send areas are only read (zero-copy combine input).
+their meaning. Inside a half: the signal area holds ARRIVED (R int64) and RECEIVED (int64); the receive
+area holds MASKS, then SLOTS (dispatch) or ROWS (combine), which share the space because a half serves one
+call at a time, and a sender waits until every destination has received the previous call on the half. The send areas are only read (zero-copy combine input).
 
 Nothing waits on the host: every call is two kernel launches, so dispatch and combine can be captured in
 a CUDA graph. A send kernel returns at once; the receive kernel is the hook. Expert ids are checked on the
@@ -28,7 +28,6 @@ NUM_SENDERS = int(os.environ.get("DEEP_EP_LL_SENDERS", "128"))   # send programs
 NUM_WARPS = int(os.environ.get("DEEP_EP_LL_NUM_WARPS", "8"))
 RECV_ROWS = 4             # rows a dispatch receive program copies at once
 COMBINE_SEND_ROWS = 2     # rows a combine send program moves at once
-_DISPATCH, _COMBINE = 0, 1
 
 
 def _next_pow2(value: int) -> int:
@@ -42,7 +41,8 @@ class _Geometry:
         layout = LowLatencyLayout(num_max_tokens, hidden, num_experts)
         self.layout = layout
         self.signal = layout.signal_offset(half)
-        self.arrived = (self.signal, self.signal + 8 * num_ranks)       # dispatch, combine
+        self.arrived = self.signal                        # ARRIVED[R] int64
+        self.received = self.signal + 8 * num_ranks       # RECEIVED int64
         self.masks = layout.recv_offset(half)
         self.masks_bytes = _round_up(num_experts * num_max_tokens * 4, 16)
         self.data = self.masks + self.masks_bytes
@@ -60,11 +60,12 @@ class NVLinkLowLatency:
         self.area = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
         torch.cuda.synchronize(device)
         self.peers = PeerBuffers(self.area, group)
-        self.state = torch.zeros((2, 2, 2), dtype=torch.int64, device=device)   # [half][op][received, finished]
+        self.finished = torch.zeros(2, dtype=torch.int64, device=device)   # programs done with a half's receive
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._routes: Dict[int, Tuple[torch.Tensor, int]] = {}   # id(src_info) -> (route, top-k)
         # stand-ins for optional pointer arguments (never read)
         self._no_words = torch.zeros(4, dtype=torch.int32, device=device)
+        self._no_longs = torch.zeros(4, dtype=torch.int64, device=device)
 
     # ---- views of the local area ---------------------------------------------------------------------------
     def _view(self, offset: int, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -75,7 +76,7 @@ class NVLinkLowLatency:
                   what: str) -> _Geometry:
         R = self.topology.num_ranks
         geometry = _Geometry(R, num_max_tokens, hidden, num_experts, half)
-        if 16 * R > geometry.layout.signal_bytes or data_bytes > geometry.data_bytes:
+        if 8 * R + 8 > geometry.layout.signal_bytes or data_bytes > geometry.data_bytes:
             need = 2 * (geometry.layout.signal_bytes + geometry.layout.send_bytes + geometry.masks_bytes + data_bytes)
             raise ValueError(f"{what}: num_rdma_bytes={self.area.numel()} leaves too little room for the NVLink "
                              f"low-latency path with N={num_max_tokens}, hidden={hidden}, num_experts={num_experts} "
@@ -118,20 +119,18 @@ class NVLinkLowLatency:
         ll_dispatch_send_kernel[(NUM_SENDERS,)](
             x, topk_idx, self.peers.bases, mask_arg,
             self.status, num_tokens, rank, num_experts, experts_per_rank, num_max_tokens, geometry.masks,
-            geometry.data, geometry.arrived[_DISPATCH], H=hidden, K=topk, R=R, FP8=options.use_fp8,
+            geometry.data, geometry.arrived, geometry.received, self.timeout_ns, H=hidden, K=topk, R=R, FP8=options.use_fp8,
             ROUND=options.round_scale, UE8M0=options.use_ue8m0, XW=payload_words, SW=scale_words, SLOT_W=slot_words,
             HAS_MASK=mask is not None, BLOCK_H=block_h, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
             BLOCK_S=block_h // (512 if options.use_ue8m0 else 128) if options.use_fp8 else 1, num_warps=NUM_WARPS)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         self._remember(src_info, route, topk)
-        state = self.state[half, _DISPATCH]
-
         def receive() -> None:
             ll_dispatch_recv_kernel[(max(1, min(experts_per_rank, self.num_sms)),)](
                 self._view(geometry.masks, geometry.masks_bytes, torch.int32),
                 self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.int32),
-                self._view(geometry.arrived[_DISPATCH], 8 * R, torch.int64), state, mask_arg,
-                self.state if wait_stats is None else wait_stats, self.status, recv_x.view(torch.int32),
+                *self._counters(geometry, half), mask_arg, self._no_longs if wait_stats is None else wait_stats,
+                self.status, recv_x.view(torch.int32),
                 self._no_words if recv_scales is None else recv_scales.view(torch.int32), src_info, route, layout_range,
                 recv_count, rank, experts_per_rank, num_max_tokens, NUM_SENDERS, self.timeout_ns, K=topk, R=R,
                 XW=payload_words, SW=scale_words, SLOT_W=slot_words, HAS_MASK=mask is not None,
@@ -139,6 +138,12 @@ class NVLinkLowLatency:
                 BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=RECV_ROWS,
                 num_warps=NUM_WARPS)
         return output, receive
+
+    def _counters(self, geometry: _Geometry, half: int):
+        """ARRIVED and RECEIVED of a half (local views) and its count of finished receive programs."""
+        R = self.topology.num_ranks
+        return (self._view(geometry.arrived, 8 * R, torch.int64), self._view(geometry.received, 8, torch.int64),
+                self.finished[half:half + 1])
 
     def _remember(self, src_info: torch.Tensor, route: torch.Tensor, topk: int) -> None:
         key = id(src_info)
@@ -168,18 +173,16 @@ class NVLinkLowLatency:
         mask_arg = self._no_words if mask is None else mask
         block_h = max(_next_pow2(hidden), 1024) if use_logfmt else _next_pow2(hidden)
         ll_combine_send_kernel[(NUM_SENDERS,)](
-            x, layout_range, route, self.peers.bases, mask_arg, rank, experts_per_rank, num_max_tokens, x.stride(0),
-            x.stride(1), geometry.data, geometry.arrived[_COMBINE], H=hidden, K=topk, R=R,
+            x, layout_range, route, self.peers.bases, mask_arg, self.status, rank, experts_per_rank, num_max_tokens,
+            x.stride(0), x.stride(1), geometry.data, geometry.arrived, geometry.received, self.timeout_ns, H=hidden, K=topk, R=R,
             HAS_MASK=mask is not None, LOGFMT=use_logfmt, BLOCK_H=block_h, BLOCK_E=_next_pow2(experts_per_rank),
             BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS, num_warps=NUM_WARPS,
             enable_fp_fusion=not use_logfmt)
-        state = self.state[half, _COMBINE]
-
         def receive() -> None:
             ll_combine_recv_kernel[(max(1, min(num_tokens, self.num_sms)),)](
                 self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.bfloat16),
-                self._view(geometry.arrived[_COMBINE], 8 * R, torch.int64), state,
-                topk_idx, topk_weights, mask_arg, out, self.state if wait_stats is None else wait_stats, self.status,
+                *self._counters(geometry, half), topk_idx, topk_weights, mask_arg, out,
+                self._no_longs if wait_stats is None else wait_stats, self.status,
                 num_tokens, num_experts, experts_per_rank, NUM_SENDERS, self.timeout_ns, H=hidden, K=topk, R=R,
                 HAS_MASK=mask is not None, HAS_STATS=wait_stats is not None, BLOCK_H=_next_pow2(hidden),
                 BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R), num_warps=NUM_WARPS, enable_fp_fusion=False)
@@ -191,9 +194,9 @@ class NVLinkLowLatency:
         R = self.topology.num_ranks
         for half in (0, 1):
             geometry = _Geometry(R, num_max_tokens, hidden, num_experts, half)
-            self.area[geometry.signal:geometry.signal + 16 * R].zero_()
+            self.area[geometry.signal:geometry.signal + 8 * R + 8].zero_()
             self.area[geometry.masks:geometry.masks + geometry.masks_bytes].zero_()
-        self.state.zero_()
+        self.finished.zero_()
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:

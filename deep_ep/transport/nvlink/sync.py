@@ -15,7 +15,9 @@ WAIT_ROWS = tl.constexpr(2)
 WAIT_SPACE = tl.constexpr(3)
 STATUS_WHAT = {1: "its dispatch counts (notify)", 2: "its rows",
                3: "it to read the rows already in its receive ring (ring slots to free up)",
-               4: "its low-latency dispatch rows", 5: "its low-latency combine rows"}
+               4: "its low-latency dispatch rows", 5: "its low-latency combine rows",
+               6: "it to finish receiving the previous low-latency call on the same buffer half"}
+WAIT_LL_FREE = tl.constexpr(6)
 NO_PEER = tl.constexpr(1 << 30)
 
 
@@ -122,11 +124,23 @@ def wait_arrivals(ptrs, target, mask, peers, stats_ptr, record, timeout_ns, stat
 
 
 @triton.jit
-def finish_receive(state_ptr, received):
-    """The last program of a receive kernel to get here sets state = [received + 1, 0] (state[1] counts the
-    programs that finished; the next receive on the same half starts from the new count)."""
+def wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, status_ptr):
+    """Before a low-latency send into a buffer half: wait until every rank in `ranks` has received as many
+    calls on this half as this rank has (RECEIVED at `received_offset` of each buffer), so nothing it has not
+    read yet is overwritten. Returns ok."""
+    own = tl.load((tl.load(bases_ptr + rank) + received_offset).to(tl.pointer_type(tl.int64)))
+    bases = tl.load(bases_ptr + lanes, mask=ranks, other=0)
+    _, ok = wait_at_least((bases + received_offset).to(tl.pointer_type(tl.int64)), own, ranks, lanes, timeout_ns,
+                          status_ptr, WAIT_LL_FREE)
+    return ok
+
+
+@triton.jit
+def finish_receive(finished_ptr, received_ptr, received):
+    """The last program of a low-latency receive kernel to get here publishes RECEIVED = received + 1
+    (release: every program's reads of the half came first) and resets the local count of finished programs."""
     tl.debug_barrier()
-    finished = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    finished = tl.atomic_add(finished_ptr, 1, sem="acq_rel", scope="gpu")
     if finished == tl.num_programs(0) - 1:
-        tl.store(state_ptr + 1, 0)
-        tl.store(state_ptr, received + 1)
+        tl.store(finished_ptr, 0)
+        tl.atomic_xchg(received_ptr, received + 1, sem="release", scope="sys")
