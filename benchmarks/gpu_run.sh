@@ -16,7 +16,7 @@ git rev-parse --short HEAD 2>/dev/null || true
 bench_status=0
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ]; then
     echo "one GPU: no benchmark (it measures NVLink between 2 GPUs); the tests place all ranks on this GPU"
-    for sms in 24 16 8; do echo "skipped: benchmark needs 2 GPUs" > "$out/bench_sms$sms.txt"; done
+    for sms in 24 24_own_receiver 16 8; do echo "skipped: benchmark needs 2 GPUs" > "$out/bench_sms$sms.txt"; done
 else
     python3 -m deep_ep.bench --mode all --num-sms 24 --json > "$out/bench_sms24.json" 2> "$out/bench_sms24.txt" \
         || bench_status=$?
