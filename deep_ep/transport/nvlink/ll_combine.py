@@ -83,9 +83,9 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, st
                      other=0)
     per_expert = tl.sum((ranges & 0xFFFFFFFF).to(tl.int32), axis=1)
     ends = tl.cumsum(per_expert, axis=0)          # rows of experts 0..e, all experts laid end to end
-    total = tl.sum(per_expert)
-    if not wait_half_free(bases_ptr, rank, received_offset, rank_open, ro, timeout_ns, status_ptr):
-        total = 0   # a rank stopped receiving: send nothing (the host reports the timeout)
+    # a rank that stopped receiving: send nothing (the host reports the timeout)
+    free = wait_half_free(bases_ptr, rank, received_offset, rank_open, ro, timeout_ns, status_ptr)
+    total = tl.where(free, tl.sum(per_expert), 0)
     for g0 in range(pid * ROWS, total, num_senders * ROWS):
         g = g0 + po
         live = g < total

@@ -76,9 +76,9 @@ def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num
         rank_open = (ro < R) & (tl.load(mask_ptr + ro, mask=ro < R, other=1) == 0)
     else:
         rank_open = ro < R
-    if not wait_half_free(bases_ptr, rank, received_offset, rank_open, ro, timeout_ns, status_ptr):
-        num_tokens = 0   # a rank stopped receiving: send nothing (the host reports the timeout)
-    for t in range(pid, num_tokens, num_senders):
+    # a rank that stopped receiving: send nothing (the host reports the timeout)
+    free = wait_half_free(bases_ptr, rank, received_offset, rank_open, ro, timeout_ns, status_ptr)
+    for t in range(pid, tl.where(free, num_tokens, 0), num_senders):
         ids = tl.load(idx_ptr + t.to(tl.int64) * K + ko, mask=ko < K, other=-1)
         in_range = (ids >= 0) & (ids < num_experts)
         report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
