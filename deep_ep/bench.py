@@ -61,6 +61,14 @@ OPS = [
     ("ll_dispatch_fp8", "LL dispatch FP8", "low-latency"),
     ("ll_dispatch_bf16", "LL dispatch BF16", "low-latency"),
     ("ll_combine", "LL combine BF16", "low-latency"),
+    # CUDA-graph replays and hook phases (GPU, with a transport that needs no host wait: NVLink)
+    ("ll_dispatch_graph", "LL dispatch FP8 graph", "low-latency"),
+    ("ll_combine_graph", "LL combine graph", "low-latency"),
+    ("ll_round_trip_graph", "LL disp+comb graph", "low-latency"),
+    ("ll_send_phase", "LL dispatch send/hook", "low-latency"),
+    ("ll_recv_phase", "LL dispatch hook()", "low-latency"),
+    ("ll_dispatch_1_token", "LL 1-token dispatch", "low-latency"),
+    ("ll_combine_1_token", "LL 1-token combine", "low-latency"),
 ]
 
 
@@ -381,6 +389,14 @@ class _Baseline:
         state = (selection, token, send_splits, recv_splits, expert_sorted, slot, order2)
         return (tuple(packed) if use_fp8 else packed[0]), per_expert, state
 
+    def ll_padded(self, send: torch.Tensor) -> torch.Tensor:
+        """What a user without a low-latency kernel does at decode: one `all_to_all_single` of a fixed-size
+        buffer of `N` rows per rank (every token to every rank, or every token's partial result back to its
+        rank), with no count exchange."""
+        out = torch.empty_like(send)
+        self.ctx.a2a(out, send, None, None)
+        return out
+
     def ll_combine(self, y: torch.Tensor, topk_weights: torch.Tensor, state: tuple) -> torch.Tensor:
         selection, token, send_splits, recv_splits, expert_sorted, slot, order2 = state
         rows = torch.empty((len(order2), y.shape[-1]), dtype=y.dtype, device=y.device)
@@ -658,12 +674,15 @@ def _bench_low_latency(ctx: _Ctx, results: Dict[str, Any], info: Dict[str, Any])
                 .to(torch.bfloat16).view(E_loc, R * N, H)
         return recv_x
 
-    def check_ll_combine(name: str, combined: torch.Tensor, tolerance: float) -> None:
+    def check_ll_combine(name: str, combined: torch.Tensor, tolerance: float,
+                         expected: Optional[torch.Tensor] = None) -> None:
         problems = []
-        if tuple(combined.shape) != (N, H) or combined.dtype != torch.bfloat16:
-            problems.append(f"combined_x is {tuple(combined.shape)} {combined.dtype}, expected ({N}, {H}) bfloat16")
+        expected = combine_expected if expected is None else expected
+        if tuple(combined.shape) != tuple(expected.shape) or combined.dtype != torch.bfloat16:
+            problems.append(f"combined_x is {tuple(combined.shape)} {combined.dtype}, expected "
+                            f"{tuple(expected.shape)} bfloat16")
         else:
-            diff = calc_diff(combined, combine_expected)
+            diff = calc_diff(combined, expected)
             if torch.isnan(combined).any() or not diff < tolerance:
                 problems.append(f"combine of identity experts != x * sum of valid weights: calc_diff {diff:.3g} "
                                 f"(tolerance {tolerance:g})")
@@ -721,12 +740,105 @@ def _bench_low_latency(ctx: _Ctx, results: Dict[str, Any], info: Dict[str, Any])
             ctx.time(lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)),
             ll_bf16_bytes, ctx.time(lambda: base.ll_combine(base_out, topk_weights, base_state)))
     del out, expert_out, handle, combined
+    if device.type == "cuda" and buffer.transport_name == "nvlink":
+        _bench_low_latency_graphs(ctx, results, buffer, base, x, topk_idx, topk_weights, check_ll_combine,
+                                  ll_dispatch_bytes_fp8, ll_bf16_bytes)
     ctx.barrier()
     buffer.destroy()
 
 
-def _num_phases(modes: Sequence[str]) -> int:
-    return (6 if "normal" in modes else 0) + (4 if "low-latency" in modes else 0)
+def _capture(fn: Callable[[], Any]) -> "torch.cuda.CUDAGraph":
+    """`fn` captured in a CUDA graph (run once eagerly first: kernels compile outside the capture)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _bench_low_latency_graphs(ctx: _Ctx, results: Dict[str, Any], buffer, base: "_Baseline", x: torch.Tensor,
+                              topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_combine: Callable,
+                              dispatch_bytes: int, combine_bytes: int) -> None:
+    """Decode as serving engines run it: FP8 dispatch and BF16 combine replayed from CUDA graphs (also with one
+    token per rank), and the two phases of a dispatch with a receive hook. Baseline: one all_to_all_single
+    of a padded buffer each way."""
+    from .fp8 import per_token_cast_back, per_token_cast_to_fp8
+    plan = ctx.plan
+    N, H, E = plan["ll_tokens"], plan["hidden"], plan["ll_experts"]
+    ctx.phase("low-latency: CUDA graphs (dispatch FP8, combine, both; 1 token), hook phases, padded baseline")
+
+    def identity_experts(recv) -> torch.Tensor:
+        data, scales = recv
+        return per_token_cast_back(data.view(-1, H), scales.reshape(-1, scales.shape[-1])) \
+            .to(torch.bfloat16).view(data.shape)
+
+    fp8_rows = torch.cat([t.view(torch.uint8).view(N, -1) for t in per_token_cast_to_fp8(x)], dim=1)
+    to_every_rank = fp8_rows.repeat(ctx.world, 1)
+    back_to_sources = torch.zeros((ctx.world * N, H), dtype=torch.bfloat16, device=x.device)
+    padded_dispatch = ctx.time(lambda: base.ll_padded(to_every_rank))
+    padded_combine = ctx.time(lambda: base.ll_padded(back_to_sources))
+    for suffix, tokens in (("graph", N), ("1_token", 1)):
+        xs, idx, weights = x[:tokens].contiguous(), topk_idx[:tokens].contiguous(), topk_weights[:tokens].contiguous()
+        out = torch.empty((tokens, H), dtype=torch.bfloat16, device=x.device)
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(xs, idx, N, E, use_fp8=True)
+        experts = identity_experts(recv)   # the expert outputs the combine graphs send back
+        dispatch_graph = _capture(lambda: buffer.low_latency_dispatch(xs, idx, N, E, use_fp8=True))
+        combine_graph = _capture(lambda: buffer.low_latency_combine(experts, idx, weights, handle, out=out))
+        combine_graph.replay()
+        torch.cuda.synchronize()
+        expected = xs.float() * torch.where(idx >= 0, weights, torch.zeros_like(weights)).sum(1, keepdim=True)
+        check_combine(f"LL combine replayed from a CUDA graph ({tokens} tokens)", out, 9e-4, expected)
+        full = tokens == N
+        _record(results, f"ll_dispatch_{suffix}", ctx.time(dispatch_graph.replay), dispatch_bytes if full else None,
+                padded_dispatch if full else None)
+        _record(results, f"ll_combine_{suffix}", ctx.time(combine_graph.replay), combine_bytes if full else None,
+                padded_combine if full else None)
+        if full:
+            def round_trip() -> None:
+                received, _, h, _, _ = buffer.low_latency_dispatch(xs, idx, N, E, use_fp8=True)
+                buffer.low_latency_combine(experts, idx, weights, h, out=out)
+            round_trip_graph = _capture(round_trip)
+            both = {k: [a + b for a, b in zip(padded_dispatch[k], padded_combine[k])] for k in padded_dispatch}
+            _record(results, "ll_round_trip_graph", ctx.time(round_trip_graph.replay), dispatch_bytes + combine_bytes,
+                    both)
+        del dispatch_graph, combine_graph
+    send, receive = _hook_phases(ctx, lambda: buffer.low_latency_dispatch(x, topk_idx, N, E, use_fp8=True,
+                                                                          return_recv_hook=True)[4])
+    _record(results, "ll_send_phase", send, dispatch_bytes)
+    _record(results, "ll_recv_phase", receive, None)
+
+
+def _hook_phases(ctx: _Ctx, send: Callable[[], Callable[[], None]]) -> Tuple[Dict[str, List[float]], ...]:
+    """Seconds of the send call and of its hook, each bracketed by events, calls back to back (streamed) and
+    after a barrier (isolated)."""
+    for _ in range(ctx.plan["warmup"]):
+        send()()
+    phases: Dict[str, Dict[str, List[float]]] = dict(send={}, receive={})
+    for kind, barrier_each in (("isolated", True), ("streamed", False)):
+        events = []
+        for _ in range(ctx.plan["iters"]):
+            if barrier_each:
+                ctx.barrier()
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            marks[0].record()
+            hook = send()
+            marks[1].record()
+            marks[2].record()
+            hook()
+            marks[3].record()
+            events.append(marks)
+        ctx.sync()
+        phases["send"][kind] = [m[0].elapsed_time(m[1]) / 1e3 for m in events]
+        phases["receive"][kind] = [m[2].elapsed_time(m[3]) / 1e3 for m in events]
+        ctx.barrier()
+    return phases["send"], phases["receive"]
+
+
+def _num_phases(plan: Dict[str, Any]) -> int:
+    graphs = plan["device"] == "cuda" and plan["transport"] != "reference"   # the NVLink path: CUDA graphs
+    return (6 if "normal" in plan["modes"] else 0) + ((4 + graphs) if "low-latency" in plan["modes"] else 0)
 
 
 def _run_rank(ctx: _Ctx) -> Dict[str, Any]:
@@ -956,7 +1068,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   "(or pip install 'deep-ep-triton[plot]')", file=sys.stderr)
             return 2
     plan = _resolve(args, parser)
-    plan["num_phases"] = _num_phases(plan["modes"])
+    plan["num_phases"] = _num_phases(plan)
     print(f"{PREFIX} spawning {plan['num_ranks']} ranks: {plan['device']} tensors, {plan['backend']} group, "
           f"mode {'+'.join(plan['modes'])}", file=sys.stderr, flush=True)
     start = time.monotonic()
