@@ -111,7 +111,9 @@ def logfmt_roundtrip(x: torch.Tensor) -> torch.Tensor:
     amin = mag.amin(-1, keepdim=True)
     log_amax = torch.log2(amax)
     log_amin = torch.maximum(torch.log2(amin), log_amax - 32)
-    step = (log_amax - log_amin) / _LOGFMT_CODES
+    # multiplied by the float32 reciprocal, not divided: the same bits on CPU and CUDA (CUDA's division by a
+    # Python number multiplies by its reciprocal) and in the NVLink kernel
+    step = (log_amax - log_amin) * torch.tensor(1.0 / _LOGFMT_CODES, dtype=torch.float32, device=x.device)
     safe_step = torch.where(step > 0, step, torch.ones_like(step))
     position = (torch.log2(mag) - log_amin) / safe_step
     low_code = torch.floor(position).clamp(min=-1, max=_LOGFMT_CODES)

@@ -39,12 +39,17 @@ def _tokens(shape: Dict[str, Any], rank: int) -> int:
     return 0 if rank == 3 else shape["tokens"][rank % len(shape["tokens"])]
 
 
-def _expert_outputs(seed: int, key: Any, rows: int, hidden: int, device) -> torch.Tensor:
-    """bf16 values over 2^-16..2^16 (fp32 sums of a few are inexact, so the order shows in the bits), made on
-    the GPU (decode shapes have hundreds of MB of them)."""
+def _expert_outputs(seed: int, key: Any, rows: int, hidden: int, device, logfmt: bool) -> torch.Tensor:
+    """bf16 expert outputs, made on the GPU (decode shapes have hundreds of MB of them): values over
+    2^-16..2^16 (fp32 sums of a few are inexact, so the order shows in the bits), or for LogFMT rows of
+    mostly |x| < 1 (encoded chunks) and some larger ones (sent as BF16)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(generator(seed, key).initial_seed())
-    scale = torch.exp2(torch.randint(-16, 17, (rows, hidden), generator=gen, device=device).float())
+    if logfmt:
+        choice = torch.randint(4, (rows, 1), generator=gen, device=device)
+        scale = torch.tensor([0.02, 0.2, 0.6, 3.0], device=device)[choice]
+    else:
+        scale = torch.exp2(torch.randint(-16, 17, (rows, hidden), generator=gen, device=device).float())
     return (torch.randn((rows, hidden), generator=gen, device=device) * scale).to(torch.bfloat16)
 
 
@@ -104,8 +109,8 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]]) -> List[str]:
                                         shape.get("mask_frac", 0.0), hot)
             x = make_x(gen, num_tokens, hidden).to(ctx.device)
             idx, weights = idx.to(ctx.device), weights.to(ctx.device)
-            y = _expert_outputs(seed, (shape["name"], i, rank), e_loc * R * n, hidden, ctx.device).view(e_loc, R * n,
-                                                                                                      hidden)
+            y = _expert_outputs(seed, (shape["name"], i, rank), e_loc * R * n, hidden, ctx.device,
+                                ckind == "logfmt").view(e_loc, R * n, hidden)
             outs = {}
             for label, buf in buffers.items():
                 cum = torch.full((e_loc,), 7, dtype=torch.int32, device=ctx.device)

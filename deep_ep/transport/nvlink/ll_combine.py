@@ -41,7 +41,7 @@ def _logfmt_roundtrip(values, H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.c
     amin = tl.min(mag, axis=2)
     log_amax = libdevice.log2(amax)
     log_amin = tl.maximum(libdevice.log2(amin), log_amax - 32.0)
-    step = tl.div_rn(log_amax - log_amin, tl.full([ROWS, G], 510.0, tl.float32))
+    step = (log_amax - log_amin) * (1.0 / 510.0)   # float32 reciprocal, as deep_ep.fp8 does
     safe_step = tl.where(step > 0, step, 1.0)[:, :, None]
     low_amin = log_amin[:, :, None]
     position = tl.div_rn(libdevice.log2(mag) - low_amin, safe_step + tl.zeros_like(mag))
@@ -93,6 +93,7 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, st
         row = g - tl.max(tl.where(ends[None, :] <= g[:, None], ends[None, :], 0), axis=1)
         route = tl.load(route_ptr + expert.to(tl.int64) * RN + row, mask=live, other=0)
         source = route // (num_max_tokens * K)
+        live = live & (source >= 0) & (source < R)   # never store through a route the dispatch did not write
         if HAS_MASK:
             live = live & (tl.load(mask_ptr + source, mask=live, other=1) == 0)
         values = tl.load(x_ptr + (expert.to(tl.int64) * x_expert_stride + row.to(tl.int64) * x_row_stride)[:, None]
@@ -103,8 +104,9 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, st
         dest = base + rows_offset + (route - source * (num_max_tokens * K)).to(tl.int64) * (2 * H)
         tl.store(row_pointers(dest, ho, tl.bfloat16, BLOCK_H), values, mask=live[:, None] & (ho[None, :] < H))
     tl.debug_barrier()   # every thread's stores precede the releasing adds (release is cumulative)
-    bases = tl.load(bases_ptr + ro, mask=rank_open, other=0)
-    tl.atomic_add((bases + arrived_offset + rank * 8).to(tl.pointer_type(tl.int64)), 1, mask=rank_open,
+    signal = rank_open & free   # after a timeout no arrival is claimed: the receivers time out too
+    bases = tl.load(bases_ptr + ro, mask=signal, other=0)
+    tl.atomic_add((bases + arrived_offset + rank * 8).to(tl.pointer_type(tl.int64)), 1, mask=signal,
                   sem="release", scope="sys")
 
 

@@ -109,8 +109,9 @@ def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num
                 tl.store((base + masks_offset + entry * 4).to(tl.pointer_type(tl.int32)),
                          tl.sum(tl.where(pick, slot_bits, 0)))
     tl.debug_barrier()   # every thread's stores precede the releasing adds (release is cumulative)
-    bases = tl.load(bases_ptr + ro, mask=rank_open, other=0)
-    tl.atomic_add((bases + arrived_offset + rank * 8).to(tl.pointer_type(tl.int64)), 1, mask=rank_open,
+    signal = rank_open & free   # after a timeout no arrival is claimed: the receivers time out too
+    bases = tl.load(bases_ptr + ro, mask=signal, other=0)
+    tl.atomic_add((bases + arrived_offset + rank * 8).to(tl.pointer_type(tl.int64)), 1, mask=signal,
                   sem="release", scope="sys")
 
 
@@ -181,4 +182,8 @@ def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, fin
                 tl.store(src_info_ptr + out_base + p, tl.full([BLOCK_RN], -1, tl.int32), mask=p < RN)
             tl.debug_barrier()   # every thread has read the table before it is cleared
             tl.store(table + jo, tl.zeros([BLOCK_RN], tl.int32), mask=jo < RN)
+    else:   # timed out: empty outputs, so that a combine enqueued before the host sees the error sends nothing
+        for e in range(pid, experts_per_rank, tl.num_programs(0)):
+            tl.store(layout_ptr + e * R + ro, tl.zeros([BLOCK_R], tl.int64), mask=ro < R)
+            tl.store(count_ptr + e, 0)
     finish_receive(finished_ptr, received_ptr, received)

@@ -132,6 +132,7 @@ def wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, s
     bases = tl.load(bases_ptr + lanes, mask=ranks, other=0)
     _, ok = wait_at_least((bases + received_offset).to(tl.pointer_type(tl.int64)), own, ranks, lanes, timeout_ns,
                           status_ptr, WAIT_LL_FREE)
+    tl.debug_barrier()   # every thread's stores into the half come after the acquiring loads
     return ok
 
 
