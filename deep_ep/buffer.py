@@ -512,11 +512,13 @@ class Buffer:
             def complete():
                 if stream is None:
                     receive()
-                else:
-                    with torch.cuda.stream(stream):
-                        receive()
-                if finish is not None:
-                    finish(out)
+                    if finish is not None:
+                        finish(out)
+                    return
+                with torch.cuda.stream(stream):   # also when the hook runs on another thread
+                    receive()
+                    if finish is not None:
+                        finish(out)
 
             hook = ReceiveHook(complete, name)
             self._slots.hold(half, hook)
