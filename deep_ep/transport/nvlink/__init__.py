@@ -352,9 +352,9 @@ class NVLinkTransport(Transport):
         if words[2]:
             value = int(words[3])
             words[2] = 0
-            raise ValueError(f"topk_idx of an earlier low-latency call on rank {self.topology.rank}: entries must be -1 "
-                             f"or in [0, num_experts), found {value} (checked on the GPU; those entries were treated as "
-                             "no selection)")
+            raise ValueError(f"topk_idx of an earlier low-latency call on rank {self.topology.rank}: entries must be "
+                             f"-1 or in [0, num_experts), found {value} (checked on the GPU; those entries were "
+                             "treated as no selection)")
 
     def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half):
         if self.low_latency is None:

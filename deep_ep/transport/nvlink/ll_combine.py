@@ -1,26 +1,27 @@
-"""Low-latency combine over peer-mapped buffers: a send kernel at the experts' ranks and a receive kernel (the
-hook) at the tokens' ranks.
+"""Low-latency combine over peer-mapped buffers: a send kernel at the experts' ranks and a receive kernel
+(the hook) at the tokens' ranks.
 
 Areas of one buffer half, identical in every rank's low-latency buffer (byte offsets from the host):
   ARRIVED[src]     int64 (signal area, shared with the dispatch): send programs of `src` that finished here
   RECEIVED         int64 (signal area): calls on this half whose receive has finished here
   ROWS[t * K + k]  bf16 [H]: the expert output for this rank's selection (token t, top-k slot k)
 Send (NUM_SENDERS programs over blocks of received rows, all local experts laid end to end): wait until
-  RECEIVED of every unmasked rank equals this rank's (as in the dispatch). Row j of local
-  expert e came from (source s, token t, slot k), as the dispatch's route table says; store x[e, j] into
-  ROWS[t * K + k] of rank s unless s is masked. With LogFMT the row is first rounded to what a LogFMT-10
-  receiver decodes (deep_ep.fp8.logfmt_roundtrip's rules, computed here); it still travels as bf16. Then every program adds 1 to ARRIVED[me] of every unmasked
-  rank (release, after a barrier over the program's stores).
+  RECEIVED of every unmasked rank equals this rank's (as in the dispatch). Row j of local expert e came
+  from (source s, token t, slot k), as the dispatch's route table says; store x[e, j] into ROWS[t * K + k]
+  of rank s unless s is masked. With LogFMT the row is first rounded to what a LogFMT-10 receiver decodes
+  (deep_ep.fp8.logfmt_roundtrip's rules, computed here); it still travels as bf16. Then every program
+  adds 1 to ARRIVED[me] of every unmasked rank (release, after a barrier over the program's stores).
 Receive (programs over tokens): wait until ARRIVED[r] >= NUM_SENDERS * (RECEIVED + 1) for every unmasked
-  rank r, then out[t] = bf16(acc) with acc = 0; for k ascending over valid
-  selections whose rank is not masked: acc = f32(acc + f32(w[t, k] * ROWS[t * K + k])) -- the reference's
-  rounding (compiled without fused multiply-adds). The last program to finish publishes RECEIVED + 1.
+  rank r, then out[t] = bf16(acc) with acc = 0; for k ascending over valid selections whose rank is not
+  masked: acc = f32(acc + f32(w[t, k] * ROWS[t * K + k])), the reference's rounding (compiled without
+  fused multiply-adds). The last program to finish publishes RECEIVED + 1.
 """
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .sync import finish_receive, report_bad_ids, row_pointers, wait_arrivals, wait_half_free
+from .sync import (claim_arrival, finish_receive, open_ranks, report_bad_ids, row_pointers, wait_arrivals,
+                   wait_half_free)
 
 WAIT_LL_COMBINE = tl.constexpr(5)
 LOGFMT_CODES = tl.constexpr(510)
@@ -74,13 +75,10 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, st
     eo = tl.arange(0, BLOCK_E)
     ho = tl.arange(0, BLOCK_H)
     po = tl.arange(0, ROWS)
-    if HAS_MASK:
-        rank_open = (ro < R) & (tl.load(mask_ptr + ro, mask=ro < R, other=1) == 0)
-    else:
-        rank_open = ro < R
+    rank_open = open_ranks(mask_ptr, ro, R, HAS_MASK)
     RN = R * num_max_tokens
-    ranges = tl.load(layout_ptr + eo[:, None] * R + ro[None, :], mask=(eo[:, None] < experts_per_rank) & (ro[None, :] < R),
-                     other=0)
+    ranges = tl.load(layout_ptr + eo[:, None] * R + ro[None, :],
+                     mask=(eo[:, None] < experts_per_rank) & (ro[None, :] < R), other=0)
     per_expert = tl.sum((ranges & 0xFFFFFFFF).to(tl.int32), axis=1)
     ends = tl.cumsum(per_expert, axis=0)          # rows of experts 0..e, all experts laid end to end
     # a rank that stopped receiving: send nothing (the host reports the timeout)
@@ -103,11 +101,8 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, st
         base = tl.load(bases_ptr + source, mask=live, other=0)
         dest = base + rows_offset + (route - source * (num_max_tokens * K)).to(tl.int64) * (2 * H)
         tl.store(row_pointers(dest, ho, tl.bfloat16, BLOCK_H), values, mask=live[:, None] & (ho[None, :] < H))
-    tl.debug_barrier()   # every thread's stores precede the releasing adds (release is cumulative)
-    signal = rank_open & free   # after a timeout no arrival is claimed: the receivers time out too
-    bases = tl.load(bases_ptr + ro, mask=signal, other=0)
-    tl.atomic_add((bases + arrived_offset + rank * 8).to(tl.pointer_type(tl.int64)), 1, mask=signal,
-                  sem="release", scope="sys")
+    # after a timeout no arrival is claimed: the receivers time out too
+    claim_arrival(bases_ptr, ro, rank_open & free, arrived_offset, rank)
 
 
 @triton.jit
@@ -121,10 +116,7 @@ def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, id
     ro = tl.arange(0, BLOCK_R)
     ko = tl.arange(0, BLOCK_K)
     ho = tl.arange(0, BLOCK_H)
-    if HAS_MASK:
-        open_ = (ro < R) & (tl.load(mask_ptr + ro, mask=ro < R, other=1) == 0)
-    else:
-        open_ = ro < R
+    open_ = open_ranks(mask_ptr, ro, R, HAS_MASK)
     received = tl.load(received_ptr)
     ok = wait_arrivals(arrived_ptr + ro, (received + 1) * num_senders, open_, ro, stats_ptr, pid == 0,
                        timeout_ns, status_ptr, WAIT_LL_COMBINE, HAS_STATS)

@@ -8,22 +8,24 @@ Areas of one buffer half, identical in every rank's low-latency buffer (byte off
   SLOTS[e][src][t]     token t's row for local expert e: [payload words | scale words], 16-byte aligned
 Send (NUM_SENDERS programs; token t by program t mod NUM_SENDERS): wait until RECEIVED of every unmasked
   rank equals this rank's (it has read what the previous call on this half left there; the combine waits
-  the same way). Load the row, cast it to e4m3 once if asked, then for every distinct valid expert e of the token whose rank d is not masked: store the row
-  into SLOTS[e][me][t] and the token's slot bits into MASKS[e][me][t] of rank d. Finally every program
-  adds 1 to ARRIVED[me] of every unmasked rank (release, after a barrier over the program's stores).
+  the same way). Load the row, cast it to e4m3 once if asked, then for every distinct valid expert e of
+  the token whose rank d is not masked, store the row into SLOTS[e][me][t] and the token's slot bits into
+  MASKS[e][me][t] of rank d. Finally every program adds 1 to ARRIVED[me] of every unmasked rank (release,
+  after a barrier over the program's stores).
 Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (RECEIVED + 1) for every
-  unmasked source s (counters only grow; a half serves dispatches and combines alike). Expand MASKS[e] in the order
-  (source, token, slot) -- the reference order -- into output rows: row p of expert e copies its token's
-  slot (a token that lists e twice gets two rows), src_info[e, p] = t and route[e, p] = (s, t * K + k) for
-  the combine; then layout_range, recv_count, and MASKS[e] cleared for the next use of the half. The last
-  program to finish publishes RECEIVED + 1.
-A wait that exceeds the timeout records (code, peer) in the host-visible status and skips the copies.
+  unmasked source s (counters only grow; a half serves dispatches and combines alike). Expand MASKS[e] in
+  the order (source, token, slot), the reference order, into output rows: row p of expert e copies its
+  token's slot (a token that lists e twice gets two rows), src_info[e, p] = t and route[e, p] =
+  (s, t * K + k) for the combine; then layout_range, recv_count, and MASKS[e] cleared for the next use of
+  the half. The last program to finish publishes RECEIVED + 1.
+A wait that exceeds the timeout records (code, peer) in the host-visible status and skips the copies (a
+timed-out receive leaves empty outputs; a timed-out sender claims no arrival).
 """
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .sync import finish_receive, report_bad_ids, wait_arrivals, wait_half_free
+from .sync import claim_arrival, finish_receive, open_ranks, report_bad_ids, wait_arrivals, wait_half_free
 
 FP8_MAX = tl.constexpr(448.0)
 WAIT_LL_DISPATCH = tl.constexpr(4)
@@ -72,10 +74,7 @@ def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num
     ro = tl.arange(0, BLOCK_R)
     ho = tl.arange(0, BLOCK_H)
     so = tl.arange(0, BLOCK_S)
-    if HAS_MASK:
-        rank_open = (ro < R) & (tl.load(mask_ptr + ro, mask=ro < R, other=1) == 0)
-    else:
-        rank_open = ro < R
+    rank_open = open_ranks(mask_ptr, ro, R, HAS_MASK)
     # a rank that stopped receiving: send nothing (the host reports the timeout)
     free = wait_half_free(bases_ptr, rank, received_offset, rank_open, ro, timeout_ns, status_ptr)
     for t in range(pid, tl.where(free, num_tokens, 0), num_senders):
@@ -108,11 +107,8 @@ def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num
                     tl.store(slot.to(tl.pointer_type(tl.bfloat16)) + ho, row, mask=ho < H)
                 tl.store((base + masks_offset + entry * 4).to(tl.pointer_type(tl.int32)),
                          tl.sum(tl.where(pick, slot_bits, 0)))
-    tl.debug_barrier()   # every thread's stores precede the releasing adds (release is cumulative)
-    signal = rank_open & free   # after a timeout no arrival is claimed: the receivers time out too
-    bases = tl.load(bases_ptr + ro, mask=signal, other=0)
-    tl.atomic_add((bases + arrived_offset + rank * 8).to(tl.pointer_type(tl.int64)), 1, mask=signal,
-                  sem="release", scope="sys")
+    # after a timeout no arrival is claimed: the receivers time out too
+    claim_arrival(bases_ptr, ro, rank_open & free, arrived_offset, rank)
 
 
 @triton.jit
@@ -126,10 +122,7 @@ def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, fin
                             ROWS: tl.constexpr):
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
-    if HAS_MASK:
-        open_ = (ro < R) & (tl.load(mask_ptr + ro, mask=ro < R, other=1) == 0)
-    else:
-        open_ = ro < R
+    open_ = open_ranks(mask_ptr, ro, R, HAS_MASK)
     received = tl.load(received_ptr)
     ok = wait_arrivals(arrived_ptr + ro, (received + 1) * num_senders, open_, ro, stats_ptr, pid == 0,
                        timeout_ns, status_ptr, WAIT_LL_DISPATCH, HAS_STATS)

@@ -4,8 +4,9 @@ protocols).
 The area is the Buffer's `num_rdma_bytes`, laid out as config.LowLatencyLayout says (DeepEP's
 `[signal0][signal1][send0][send1][recv0][recv1]`), so the size hint and the zero-copy combine view keep
 their meaning. Inside a half: the signal area holds ARRIVED (R int64) and RECEIVED (int64); the receive
-area holds MASKS, then SLOTS (dispatch) or ROWS (combine), which share the space because a half serves one
-call at a time, and a sender waits until every destination has received the previous call on the half. The send areas are only read (zero-copy combine input).
+area holds MASKS, then SLOTS (dispatch) or ROWS (combine), which share the space because a half serves
+one call at a time, and a sender waits until every destination has received the previous call on the
+half. The send areas are only read (zero-copy combine input).
 
 Nothing waits on the host: every call is two kernel launches, so dispatch and combine can be captured in
 a CUDA graph. A send kernel returns at once; the receive kernel is the hook. Expert ids are checked on the
@@ -119,7 +120,8 @@ class NVLinkLowLatency:
         ll_dispatch_send_kernel[(NUM_SENDERS,)](
             x, topk_idx, self.peers.bases, mask_arg,
             self.status, num_tokens, rank, num_experts, experts_per_rank, num_max_tokens, geometry.masks,
-            geometry.data, geometry.arrived, geometry.received, self.timeout_ns, H=hidden, K=topk, R=R, FP8=options.use_fp8,
+            geometry.data, geometry.arrived, geometry.received, self.timeout_ns, H=hidden, K=topk, R=R,
+            FP8=options.use_fp8,
             ROUND=options.round_scale, UE8M0=options.use_ue8m0, XW=payload_words, SW=scale_words, SLOT_W=slot_words,
             HAS_MASK=mask is not None, BLOCK_H=block_h, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
             BLOCK_S=block_h // (512 if options.use_ue8m0 else 128) if options.use_fp8 else 1, num_warps=NUM_WARPS)
@@ -174,7 +176,8 @@ class NVLinkLowLatency:
         block_h = max(_next_pow2(hidden), 1024) if use_logfmt else _next_pow2(hidden)
         ll_combine_send_kernel[(NUM_SENDERS,)](
             x, layout_range, route, self.peers.bases, mask_arg, self.status, rank, experts_per_rank, num_max_tokens,
-            x.stride(0), x.stride(1), geometry.data, geometry.arrived, geometry.received, self.timeout_ns, H=hidden, K=topk, R=R,
+            x.stride(0), x.stride(1), geometry.data, geometry.arrived, geometry.received, self.timeout_ns, H=hidden,
+            K=topk, R=R,
             HAS_MASK=mask is not None, LOGFMT=use_logfmt, BLOCK_H=block_h, BLOCK_E=_next_pow2(experts_per_rank),
             BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS, num_warps=NUM_WARPS,
             enable_fp_fusion=not use_logfmt)

@@ -124,6 +124,24 @@ def wait_arrivals(ptrs, target, mask, peers, stats_ptr, record, timeout_ns, stat
 
 
 @triton.jit
+def open_ranks(mask_ptr, lanes, R: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Lanes of the ranks this rank exchanges with: every rank, less those its shrink mask marks failed."""
+    if HAS_MASK:
+        return (lanes < R) & (tl.load(mask_ptr + lanes, mask=lanes < R, other=1) == 0)
+    return lanes < R
+
+
+@triton.jit
+def claim_arrival(bases_ptr, lanes, ranks, arrived_offset, rank):
+    """A low-latency send program is done: add 1 to ARRIVED[rank] of every rank in `ranks` (release, after a
+    barrier over every thread's stores: release is cumulative)."""
+    tl.debug_barrier()
+    bases = tl.load(bases_ptr + lanes, mask=ranks, other=0)
+    tl.atomic_add((bases + arrived_offset + rank * 8).to(tl.pointer_type(tl.int64)), 1, mask=ranks,
+                  sem="release", scope="sys")
+
+
+@triton.jit
 def wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, status_ptr):
     """Before a low-latency send into a buffer half: wait until every rank in `ranks` has received as many
     calls on this half as this rank has (RECEIVED at `received_offset` of each buffer), so nothing it has not
