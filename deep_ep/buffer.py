@@ -91,6 +91,7 @@ class Buffer:
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device) if enable_shrink else None
         self._comm_stream = CommStream(self.device)
         self._slots = LowLatencySlots()
+        self._low_latency_async = False   # the last low-latency call ran asynchronously on the comm stream
         # the last handle checked and its results per (num_tokens, num_channels): a handle reused call after
         # call is checked once (this keeps that one handle alive until another is checked)
         self._checked_handle: Tuple[Optional[tuple], dict] = (None, {})
@@ -517,8 +518,13 @@ class Buffer:
                          inputs: tuple):
         """Launch, then either return a hook, or receive at once on the comm stream (async) / current stream."""
         if return_recv_hook:
-            out, receive = launch()
             stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
+            if self._low_latency_async and stream is not None and not torch.cuda.is_current_stream_capturing():
+                # an asynchronous low-latency call before this one may still run on the comm stream: calls
+                # must reach the GPU in order (they share the buffer halves)
+                stream.wait_stream(self._comm_stream.stream)
+            self._low_latency_async = False
+            out, receive = launch()
 
             def complete():
                 if stream is None:
@@ -543,6 +549,7 @@ class Buffer:
             return result
 
         out, event = self._comm_stream.run(run, inputs, None, async_finish)
+        self._low_latency_async = async_finish
         return out, event, None
 
     def _combine_send_view(self, half: int, experts_per_rank: int, num_max_tokens: int, hidden: int) -> torch.Tensor:

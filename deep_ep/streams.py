@@ -1,6 +1,7 @@
 """Running a transport call on the communication stream with DeepEP's event semantics."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import torch
@@ -9,13 +10,15 @@ from .utils import EventHandle, EventOverlap
 
 
 def flatten_tensors(values: Iterable[Any]) -> List[torch.Tensor]:
-    """Every tensor in (nested tuples/lists of) `values`."""
+    """Every tensor in (nested tuples, lists and dataclass instances of) `values`."""
     out: List[torch.Tensor] = []
     for value in values:
         if isinstance(value, torch.Tensor):
             out.append(value)
         elif isinstance(value, (tuple, list)):
             out.extend(flatten_tensors(value))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out.extend(flatten_tensors(getattr(value, field.name) for field in dataclasses.fields(value)))
     return out
 
 
