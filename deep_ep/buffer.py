@@ -356,8 +356,6 @@ class Buffer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # nothing of this rank in flight once the barrier passes
         self._group.barrier("clean_low_latency_buffer")
-        layout = LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._rdma_buffer[:2 * layout.signal_bytes].zero_()
         self._transport.clean_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._slots.reset()
         self._group.barrier("clean_low_latency_buffer")
