@@ -8,7 +8,7 @@
 #   normal: tests/test_nvlink.py; ll: the low-latency tests; other: the rest of the suite
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DEEP_EP_TEST_TIMEOUT_S=500
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DEEP_EP_TEST_TIMEOUT_S=500 DEEP_EP_TEST_BUFFER_TIMEOUT_S=60
 out="${OUT:-$(mktemp -d)}"
 limit="${1:-300}"
 parts="${2:-bench normal ll other}"
