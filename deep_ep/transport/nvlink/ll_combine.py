@@ -11,10 +11,12 @@ Send (NUM_SENDERS programs over blocks of received rows, all local experts laid 
   of rank s unless s is masked. With LogFMT the row is first rounded to what a LogFMT-10 receiver decodes
   (deep_ep.fp8.logfmt_roundtrip's rules, computed here); it still travels as bf16. Then every program
   adds 1 to ARRIVED[me] of every unmasked rank (release, after a barrier over the program's stores).
-Receive (programs over tokens): wait until ARRIVED[r] >= NUM_SENDERS * (RECEIVED + 1) for every unmasked
-  rank r, then out[t] = bf16(acc) with acc = 0; for k ascending over valid selections whose rank is not
-  masked: acc = f32(acc + f32(w[t, k] * ROWS[t * K + k])), the reference's rounding (compiled without
-  fused multiply-adds). The last program to finish publishes RECEIVED + 1.
+Receive (programs over (token, chunk of CHUNK channels) items): wait until ARRIVED[r] >= NUM_SENDERS *
+  (RECEIVED + 1) for every unmasked rank r; load the chunk of all K rows of the token at once, then
+  out[t] = bf16(acc) with acc = 0; for k ascending over valid selections whose rank is not masked:
+  acc = f32(acc + f32(w[t, k] * ROWS[t * K + k])), the reference's rounding (compiled without fused
+  multiply-adds; row k is taken out of the tile by a sum whose other terms are +0, which is exact). The
+  last program to finish publishes RECEIVED + 1.
 """
 import triton
 import triton.language as tl
@@ -110,18 +112,21 @@ def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, id
                            stats_ptr,
                            status_ptr, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
-                           HAS_STATS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                           HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_R: tl.constexpr):
+    CHUNKS: tl.constexpr = (H + CHUNK - 1) // CHUNK
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
     ko = tl.arange(0, BLOCK_K)
-    ho = tl.arange(0, BLOCK_H)
+    co = tl.arange(0, CHUNK)
     open_ = open_ranks(mask_ptr, ro, R, HAS_MASK)
     received = tl.load(received_ptr)
     ok = wait_arrivals(arrived_ptr + ro, (received + 1) * num_senders, open_, ro, stats_ptr, pid == 0,
                        timeout_ns, status_ptr, WAIT_LL_COMBINE, HAS_STATS)
     if ok:
-        for t in range(pid, num_tokens, tl.num_programs(0)):
+        for item in range(pid, num_tokens * CHUNKS, tl.num_programs(0)):
+            t = item // CHUNKS
+            ho = (item - t * CHUNKS) * CHUNK + co
             ids = tl.load(idx_ptr + t.to(tl.int64) * K + ko, mask=ko < K, other=-1)
             weights = tl.load(weights_ptr + t.to(tl.int64) * K + ko, mask=ko < K, other=0.0)
             report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
@@ -129,12 +134,11 @@ def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, id
             if HAS_MASK:
                 valid = valid & (tl.load(mask_ptr + tl.where(valid, ids // experts_per_rank, 0), mask=valid,
                                          other=1) == 0)
-            acc = tl.zeros([BLOCK_H], tl.float32)
-            for k in range(K):
-                pick = ko == k
-                if tl.sum((pick & valid).to(tl.int32)) > 0:
-                    w = tl.sum(tl.where(pick, weights, 0.0))
-                    values = tl.load(rows_ptr + (t.to(tl.int64) * K + k) * H + ho, mask=ho < H, other=0.0)
-                    acc = acc + w * values.to(tl.float32)
+            tile = tl.load(rows_ptr + (t.to(tl.int64) * K + ko)[:, None] * H + ho[None, :],
+                           mask=valid[:, None] & (ho[None, :] < H), other=0.0)
+            terms = tl.where(valid[:, None], weights[:, None] * tile.to(tl.float32), 0.0)
+            acc = tl.zeros([CHUNK], tl.float32)
+            for k in tl.static_range(K):
+                acc = acc + tl.sum(tl.where(ko[:, None] == k, terms, 0.0), axis=0)
             tl.store(out_ptr + t.to(tl.int64) * H + ho, acc.to(tl.bfloat16), mask=ho < H)
     finish_receive(finished_ptr, received_ptr, received)

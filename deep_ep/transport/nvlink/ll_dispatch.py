@@ -92,21 +92,21 @@ def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num
         row = tl.load(x_ptr + t.to(tl.int64) * H + ho, mask=ho < H, other=0.0)
         if FP8:
             data, scale_words = _quantize(row, H, ROUND, UE8M0, BLOCK_H)
-        for k in range(K):
+        # where each distinct expert's copy goes, for all slots at once (no memory access in the loop below)
+        dest = tl.where(first, ids // experts_per_rank, 0)
+        entry = (((ids - dest * experts_per_rank) * R + rank) * num_max_tokens + t).to(tl.int64)
+        bases = tl.load(bases_ptr + dest, mask=first, other=0)
+        tl.store((bases + masks_offset + entry * 4).to(tl.pointer_type(tl.int32)), slot_bits, mask=first)
+        slots = bases + slots_offset + entry * (SLOT_W * 4)
+        for k in tl.static_range(K):
             pick = ko == k
             if tl.sum((pick & first).to(tl.int32)) > 0:
-                expert = tl.sum(tl.where(pick, ids, 0))
-                dest = expert // experts_per_rank
-                entry = ((expert - dest * experts_per_rank) * R + rank) * num_max_tokens + t
-                base = tl.load(bases_ptr + dest)
-                slot = tl.multiple_of(base + slots_offset + entry * (SLOT_W * 4), 16)
+                slot = tl.multiple_of(tl.sum(tl.where(pick, slots, 0)), 16)
                 if FP8:
                     tl.store(slot.to(tl.pointer_type(tl.float8e4nv)) + ho, data, mask=ho < H)
                     tl.store((slot + XW * 4).to(tl.pointer_type(tl.int32)) + so, scale_words, mask=so < SW)
                 else:
                     tl.store(slot.to(tl.pointer_type(tl.bfloat16)) + ho, row, mask=ho < H)
-                tl.store((base + masks_offset + entry * 4).to(tl.pointer_type(tl.int32)),
-                         tl.sum(tl.where(pick, slot_bits, 0)))
     # after a timeout no arrival is claimed: the receivers time out too
     claim_arrival(bases_ptr, ro, rank_open & free, arrived_offset, rank)
 

@@ -28,7 +28,8 @@ from ..base import LowLatencyDispatchOutput, LowLatencyOptions
 NUM_SENDERS = int(os.environ.get("DEEP_EP_LL_SENDERS", "128"))   # send programs; the same on every rank
 NUM_WARPS = int(os.environ.get("DEEP_EP_LL_NUM_WARPS", "8"))
 RECV_ROWS = 4             # rows a dispatch receive program copies at once
-COMBINE_SEND_ROWS = 2     # rows a combine send program moves at once
+COMBINE_SEND_ROWS = 4     # rows a combine send program moves at once
+COMBINE_TILE = 8192       # values of the K rows a combine receive program loads at once
 
 
 def _next_pow2(value: int) -> int:
@@ -128,7 +129,7 @@ class NVLinkLowLatency:
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         self._remember(src_info, route, topk)
         def receive() -> None:
-            ll_dispatch_recv_kernel[(max(1, min(experts_per_rank, self.num_sms)),)](
+            ll_dispatch_recv_kernel[(max(1, min(experts_per_rank, 2 * self.num_sms)),)](
                 self._view(geometry.masks, geometry.masks_bytes, torch.int32),
                 self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.int32),
                 *self._counters(geometry, half), mask_arg, self._no_longs if wait_stats is None else wait_stats,
@@ -181,13 +182,16 @@ class NVLinkLowLatency:
             HAS_MASK=mask is not None, LOGFMT=use_logfmt, BLOCK_H=block_h, BLOCK_E=_next_pow2(experts_per_rank),
             BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS, num_warps=NUM_WARPS,
             enable_fp_fusion=not use_logfmt)
+        # a receive program sums one chunk of a token's K rows, loaded at once (about 32 values a thread)
+        chunk = min(_next_pow2(hidden), max(128, COMBINE_TILE // _next_pow2(topk)))
+
         def receive() -> None:
-            ll_combine_recv_kernel[(max(1, min(num_tokens, self.num_sms)),)](
+            ll_combine_recv_kernel[(max(1, min(num_tokens * -(-hidden // chunk), 2 * self.num_sms)),)](
                 self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.bfloat16),
                 *self._counters(geometry, half), topk_idx, topk_weights, mask_arg, out,
                 self._no_longs if wait_stats is None else wait_stats, self.status,
                 num_tokens, num_experts, experts_per_rank, NUM_SENDERS, self.timeout_ns, H=hidden, K=topk, R=R,
-                HAS_MASK=mask is not None, HAS_STATS=wait_stats is not None, BLOCK_H=_next_pow2(hidden),
+                HAS_MASK=mask is not None, HAS_STATS=wait_stats is not None, CHUNK=chunk,
                 BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R), num_warps=NUM_WARPS, enable_fp_fusion=False)
         return receive
 
