@@ -134,11 +134,11 @@ def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, id
             if HAS_MASK:
                 valid = valid & (tl.load(mask_ptr + tl.where(valid, ids // experts_per_rank, 0), mask=valid,
                                          other=1) == 0)
-            tile = tl.load(rows_ptr + (t.to(tl.int64) * K + ko)[:, None] * H + ho[None, :],
-                           mask=valid[:, None] & (ho[None, :] < H), other=0.0)
-            terms = tl.where(valid[:, None], weights[:, None] * tile.to(tl.float32), 0.0)
             acc = tl.zeros([CHUNK], tl.float32)
-            for k in tl.static_range(K):
-                acc = acc + tl.sum(tl.where(ko[:, None] == k, terms, 0.0), axis=0)
+            for k in tl.static_range(K):   # no branch: the K loads can all be in flight at once
+                use = tl.sum((valid & (ko == k)).to(tl.int32)) > 0
+                w = tl.sum(tl.where(valid & (ko == k), weights, 0.0))
+                values = tl.load(rows_ptr + (t.to(tl.int64) * K + k) * H + ho, mask=use & (ho < H), other=0.0)
+                acc = acc + tl.where(use, w * values.to(tl.float32), 0.0)
             tl.store(out_ptr + t.to(tl.int64) * H + ho, acc.to(tl.bfloat16), mask=ho < H)
     finish_receive(finished_ptr, received_ptr, received)
