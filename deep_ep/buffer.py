@@ -408,7 +408,8 @@ class Buffer:
 
         def launch():
             return self._transport.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                                        options, self._mask, dispatch_wait_recv_cost_stats, half)
+                                                        options, self._mask, dispatch_wait_recv_cost_stats, half,
+                                                        return_recv_hook)
 
         def finish(out):
             if cumulative_local_expert_recv_stats is not None:
@@ -473,7 +474,7 @@ class Buffer:
         def launch():
             receive = self._transport.low_latency_combine(source, topk_idx, topk_weights, src_info, layout_range,
                                                           num_max_tokens, use_logfmt, self._mask, result,
-                                                          combine_wait_recv_cost_stats, half)
+                                                          combine_wait_recv_cost_stats, half, return_recv_hook)
             return result, receive
 
         _, event, hook = self._run_low_latency(launch, None, half, "low_latency_combine", async_finish,

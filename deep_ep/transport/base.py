@@ -80,17 +80,19 @@ class Transport(ABC):
     @abstractmethod
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
                              options: LowLatencyOptions, mask: Optional[torch.Tensor],
-                             wait_stats: Optional[torch.Tensor], half: int
+                             wait_stats: Optional[torch.Tensor], half: int, hook: bool
                              ) -> Tuple[LowLatencyDispatchOutput, Callable[[], None]]:
         """Send every selection to its expert's rank; returns the outputs and the receive step. `half`: the
-        buffer half of this call (calls alternate between the two)."""
+        buffer half of this call (calls alternate between the two). `hook`: the receive step runs later, as
+        a receive hook; otherwise right after this returns (a transport may then receive here already)."""
 
     @abstractmethod
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             src_info: torch.Tensor, layout_range: torch.Tensor, num_max_tokens: int,
                             use_logfmt: bool, mask: Optional[torch.Tensor], out: torch.Tensor,
-                            wait_stats: Optional[torch.Tensor], half: int) -> Callable[[], None]:
-        """Send expert outputs back; the receive step writes the weighted sums into `out`."""
+                            wait_stats: Optional[torch.Tensor], half: int, hook: bool) -> Callable[[], None]:
+        """Send expert outputs back; the receive step writes the weighted sums into `out` (`hook` as in
+        `low_latency_dispatch`)."""
 
     def check_low_latency_errors(self) -> None:
         """Raise what an earlier low-latency call found on the GPU (called before each low-latency call)."""

@@ -389,7 +389,8 @@ class ReferenceTransport(Transport):
         return combined.to(torch.bfloat16), combined_weights
 
     # ---- low-latency --------------------------------------------------------------------------------------
-    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half):
+    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half,
+                             hook):
         mask = None if mask is None else mask.clone()  # the mask as of this call, also for its receive hook
         topo = self.topology
         num_ranks, hidden = topo.num_ranks, x.shape[1]
@@ -466,7 +467,7 @@ class ReferenceTransport(Transport):
         return output, receive
 
     def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt,
-                            mask, out, wait_stats, half):
+                            mask, out, wait_stats, half, hook):
         mask = None if mask is None else mask.clone()  # the mask as of this call, also for its receive hook
         topo = self.topology
         num_ranks = topo.num_ranks

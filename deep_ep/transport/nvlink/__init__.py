@@ -356,19 +356,20 @@ class NVLinkTransport(Transport):
                              f"-1 or in [0, num_experts), found {value} (checked on the GPU; those entries were "
                              "treated as no selection)")
 
-    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half):
+    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half, hook):
         if self.low_latency is None:
             return self.reference.low_latency_dispatch(x, topk_idx, num_max_tokens, num_experts, options, mask,
-                                                       wait_stats, half)
-        return self.low_latency.dispatch(x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half)
+                                                       wait_stats, half, hook)
+        return self.low_latency.dispatch(x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half,
+                                         hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt, mask,
-                            out, wait_stats, half):
+                            out, wait_stats, half, hook):
         if self.low_latency is None:
             return self.reference.low_latency_combine(x, topk_idx, topk_weights, src_info, layout_range,
-                                                      num_max_tokens, use_logfmt, mask, out, wait_stats, half)
+                                                      num_max_tokens, use_logfmt, mask, out, wait_stats, half, hook)
         return self.low_latency.combine(x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt,
-                                        mask, out, wait_stats, half)
+                                        mask, out, wait_stats, half, hook)
 
     def clean_low_latency(self, num_max_tokens, hidden, num_experts) -> None:
         if self.low_latency is not None:

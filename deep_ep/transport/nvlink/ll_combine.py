@@ -65,12 +65,10 @@ def _logfmt_roundtrip(values, H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.c
 
 
 @triton.jit
-def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank,
-                           num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset,
-                           received_offset, timeout_ns,
-                           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
-                           LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
+def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank, num_max_tokens,
+          x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
+          H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, LOGFMT: tl.constexpr,
+          BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
     num_senders = tl.num_programs(0)
     ro = tl.arange(0, BLOCK_R)
@@ -108,12 +106,10 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, st
 
 
 @triton.jit
-def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr,
-                           stats_ptr,
-                           status_ptr, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns,
-                           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
-                           HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_R: tl.constexpr):
+def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
+             status_ptr, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns,
+             H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
+             CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     CHUNKS: tl.constexpr = (H + CHUNK - 1) // CHUNK
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
@@ -142,3 +138,45 @@ def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, id
                 acc = acc + tl.where(use, w * values.to(tl.float32), 0.0)
             tl.store(out_ptr + t.to(tl.int64) * H + ho, acc.to(tl.bfloat16), mask=ho < H)
     finish_receive(finished_ptr, received_ptr, received)
+
+
+# ---- kernels: send (returns at once), receive (the hook), and both in one launch when there is no hook -----
+@triton.jit
+def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank,
+                           num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset,
+                           received_offset, timeout_ns,
+                           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
+                           LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+                           BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
+    _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank, num_max_tokens,
+          x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns, H, K, R, HAS_MASK,
+          LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS)
+
+
+@triton.jit
+def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr,
+                           stats_ptr, status_ptr, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns,
+                           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
+                           HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_R: tl.constexpr):
+    _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
+             status_ptr, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK,
+             HAS_STATS, CHUNK, BLOCK_K, BLOCK_R)
+
+
+@triton.jit
+def ll_combine_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank,
+                      num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset,
+                      timeout_ns,
+                      rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, out_ptr, stats_ptr,
+                      num_tokens, num_experts, num_senders,
+                      H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
+                      LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
+                      ROWS: tl.constexpr, HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Send, then receive, in one launch of NUM_SENDERS programs (as ll_dispatch_kernel)."""
+    _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank, num_max_tokens,
+          x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns, H, K, R, HAS_MASK,
+          LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS)
+    _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
+             status_ptr, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK,
+             HAS_STATS, CHUNK, BLOCK_K, BLOCK_R)

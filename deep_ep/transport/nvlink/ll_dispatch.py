@@ -61,19 +61,17 @@ def _quantize(row, H: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, BL
 
 
 @triton.jit
-def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
-                            experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset,
-                            received_offset, timeout_ns,
-                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
-                            ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
-                            SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+def _send(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts, experts_per_rank,
+          num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
+          H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
+          UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr,
+          BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     pid = tl.program_id(0)
     num_senders = tl.num_programs(0)
     ko = tl.arange(0, BLOCK_K)
     ro = tl.arange(0, BLOCK_R)
     ho = tl.arange(0, BLOCK_H)
-    so = tl.arange(0, BLOCK_S)
+    so = tl.arange(0, BLOCK_G)
     rank_open = open_ranks(mask_ptr, ro, R, HAS_MASK)
     # a rank that stopped receiving: send nothing (the host reports the timeout)
     free = wait_half_free(bases_ptr, rank, received_offset, rank_open, ro, timeout_ns, status_ptr)
@@ -112,14 +110,12 @@ def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num
 
 
 @triton.jit
-def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, stats_ptr,
-                            status_ptr,
-                            out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank,
-                            experts_per_rank, num_max_tokens, num_senders, timeout_ns, K: tl.constexpr,
-                            R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr,
-                            HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_RN: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
-                            ROWS: tl.constexpr):
+def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, stats_ptr, status_ptr,
+             out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
+             num_max_tokens, num_senders, timeout_ns, K: tl.constexpr, R: tl.constexpr, XW: tl.constexpr,
+             SW: tl.constexpr, SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
+             BLOCK_RN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
+             ROWS: tl.constexpr):
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
     open_ = open_ranks(mask_ptr, ro, R, HAS_MASK)
@@ -180,3 +176,57 @@ def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, fin
             tl.store(layout_ptr + e * R + ro, tl.zeros([BLOCK_R], tl.int64), mask=ro < R)
             tl.store(count_ptr + e, 0)
     finish_receive(finished_ptr, received_ptr, received)
+
+
+# ---- kernels: send (returns at once), receive (the hook), and both in one launch when there is no hook -----
+
+
+@triton.jit
+def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
+                            experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset,
+                            received_offset, timeout_ns,
+                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
+                            ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
+                            SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    _send(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts, experts_per_rank,
+          num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns, H, K, R, FP8,
+          ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
+
+
+@triton.jit
+def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, stats_ptr,
+                            status_ptr, out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr,
+                            rank, experts_per_rank, num_max_tokens, num_senders, timeout_ns, K: tl.constexpr,
+                            R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr,
+                            HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_RN: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
+                            ROWS: tl.constexpr):
+    _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, stats_ptr, status_ptr,
+             out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
+             num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, HAS_STATS, BLOCK_RN, BLOCK_R,
+             BLOCK_X, BLOCK_S, ROWS)
+
+
+@triton.jit
+def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
+                       experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset,
+                       received_offset, timeout_ns,
+                       masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, stats_ptr,
+                       out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, num_senders,
+                       H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
+                       ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
+                       SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                       HAS_STATS: tl.constexpr, BLOCK_RN: tl.constexpr, BLOCK_X: tl.constexpr,
+                       BLOCK_S: tl.constexpr, ROWS: tl.constexpr):
+    """Send, then receive, in one launch of NUM_SENDERS programs (every program sends, then waits for every
+    source and copies its share of the local experts). The grid fits on the GPU at once, so a program that
+    waits never keeps one that has yet to send from starting."""
+    _send(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts, experts_per_rank,
+          num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns, H, K, R, FP8,
+          ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
+    _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, stats_ptr, status_ptr,
+             out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
+             num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, HAS_STATS, BLOCK_RN, BLOCK_R,
+             BLOCK_X, BLOCK_S, ROWS)

@@ -8,8 +8,11 @@ area holds MASKS, then SLOTS (dispatch) or ROWS (combine), which share the space
 one call at a time, and a sender waits until every destination has received the previous call on the
 half. The send areas are only read (zero-copy combine input).
 
-Nothing waits on the host: every call is two kernel launches, so dispatch and combine can be captured in
-a CUDA graph. A send kernel returns at once; the receive kernel is the hook. Expert ids are checked on the
+Nothing waits on the host, so dispatch and combine can be captured in a CUDA graph. With a receive hook a
+call is two kernel launches: a send kernel that returns at once, and the receive kernel, which the hook
+launches. Without one, one kernel sends and then receives (one launch and one gap between graph nodes
+less); its programs wait for each other, so it is used only when they all fit on the GPU at once
+(DEEP_EP_LL_FUSED=0 turns it off). Expert ids are checked on the
 GPU; bad ones count as no selection and are reported at the next low-latency call, like timeouts.
 """
 from __future__ import annotations
@@ -32,8 +35,22 @@ COMBINE_SEND_ROWS = 4     # rows a combine send program moves at once
 COMBINE_TILE = 8192       # values of the K rows a combine receive program loads at once
 
 
+# arguments the receive kernels take from the send kernels' argument sets
+_DISPATCH_SHARED = ("mask_ptr", "status_ptr", "rank", "experts_per_rank", "num_max_tokens", "timeout_ns", "K", "R",
+                    "XW", "SW", "SLOT_W", "HAS_MASK", "BLOCK_R")
+_COMBINE_SHARED = ("mask_ptr", "status_ptr", "experts_per_rank", "timeout_ns", "H", "K", "R", "HAS_MASK", "BLOCK_R")
+
+
 def _next_pow2(value: int) -> int:
     return 1 << max(value - 1, 0).bit_length()
+
+
+def _pick(arguments: dict, names: Tuple[str, ...]) -> dict:
+    return {name: arguments[name] for name in names}
+
+
+def _nothing() -> None:
+    """The receive step of a call whose kernel already received."""
 
 
 class _Geometry:
@@ -64,6 +81,9 @@ class NVLinkLowLatency:
         self.peers = PeerBuffers(self.area, group)
         self.finished = torch.zeros(2, dtype=torch.int64, device=device)   # programs done with a half's receive
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # send and receive in one kernel when there is no hook: its programs wait for each other, so all of
+        # them must fit on the GPU at once (one program per SM)
+        self.can_fuse = NUM_SENDERS <= self.num_sms and os.environ.get("DEEP_EP_LL_FUSED", "1") != "0"
         self._routes: Dict[int, Tuple[torch.Tensor, int]] = {}   # id(src_info) -> (route, top-k)
         # stand-ins for optional pointer arguments (never read)
         self._no_words = torch.zeros(4, dtype=torch.int32, device=device)
@@ -88,8 +108,8 @@ class NVLinkLowLatency:
     # ---- dispatch ---------------------------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
                  options: LowLatencyOptions, mask: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
-                 half: int):
-        from .ll_dispatch import ll_dispatch_recv_kernel, ll_dispatch_send_kernel
+                 half: int, hook: bool):
+        from .ll_dispatch import ll_dispatch_kernel, ll_dispatch_recv_kernel, ll_dispatch_send_kernel
         R, rank, dev = self.topology.num_ranks, self.topology.rank, self.device
         num_tokens, hidden = x.shape
         topk = topk_idx.shape[1]
@@ -117,29 +137,35 @@ class NVLinkLowLatency:
         layout_range = torch.empty((experts_per_rank, R), dtype=torch.int64, device=dev)
         route = torch.empty((experts_per_rank, slots), dtype=torch.int32, device=dev)
         mask = None if mask is None else mask.clone()   # the mask as of this call, also for its receive
-        mask_arg = self._no_words if mask is None else mask
-        ll_dispatch_send_kernel[(NUM_SENDERS,)](
-            x, topk_idx, self.peers.bases, mask_arg,
-            self.status, num_tokens, rank, num_experts, experts_per_rank, num_max_tokens, geometry.masks,
-            geometry.data, geometry.arrived, geometry.received, self.timeout_ns, H=hidden, K=topk, R=R,
-            FP8=options.use_fp8,
-            ROUND=options.round_scale, UE8M0=options.use_ue8m0, XW=payload_words, SW=scale_words, SLOT_W=slot_words,
-            HAS_MASK=mask is not None, BLOCK_H=block_h, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
-            BLOCK_S=block_h // (512 if options.use_ue8m0 else 128) if options.use_fp8 else 1, num_warps=NUM_WARPS)
+        send = dict(
+            x_ptr=x, idx_ptr=topk_idx, bases_ptr=self.peers.bases, mask_ptr=self._no_words if mask is None else mask,
+            status_ptr=self.status, num_tokens=num_tokens, rank=rank, num_experts=num_experts,
+            experts_per_rank=experts_per_rank, num_max_tokens=num_max_tokens, masks_offset=geometry.masks,
+            slots_offset=geometry.data, arrived_offset=geometry.arrived, received_offset=geometry.received,
+            timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R, FP8=options.use_fp8, ROUND=options.round_scale,
+            UE8M0=options.use_ue8m0, XW=payload_words, SW=scale_words, SLOT_W=slot_words, HAS_MASK=mask is not None,
+            BLOCK_H=block_h, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
+            BLOCK_G=block_h // (512 if options.use_ue8m0 else 128) if options.use_fp8 else 1)
+        arrived, received, finished = self._counters(geometry, half)
+        receive_only = dict(
+            masks_ptr=self._view(geometry.masks, geometry.masks_bytes, torch.int32),
+            slots_ptr=self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.int32), arrived_ptr=arrived,
+            received_ptr=received, finished_ptr=finished,
+            stats_ptr=self._no_longs if wait_stats is None else wait_stats, out_x_ptr=recv_x.view(torch.int32),
+            out_scales_ptr=self._no_words if recv_scales is None else recv_scales.view(torch.int32),
+            src_info_ptr=src_info, route_ptr=route, layout_ptr=layout_range, count_ptr=recv_count,
+            num_senders=NUM_SENDERS, HAS_STATS=wait_stats is not None, BLOCK_RN=_next_pow2(slots),
+            BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=RECV_ROWS)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         self._remember(src_info, route, topk)
+        if not hook and self.can_fuse:
+            ll_dispatch_kernel[(NUM_SENDERS,)](**send, **receive_only, num_warps=NUM_WARPS)
+            return output, _nothing
+        ll_dispatch_send_kernel[(NUM_SENDERS,)](**send, num_warps=NUM_WARPS)
+
         def receive() -> None:
             ll_dispatch_recv_kernel[(max(1, min(experts_per_rank, 2 * self.num_sms)),)](
-                self._view(geometry.masks, geometry.masks_bytes, torch.int32),
-                self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.int32),
-                *self._counters(geometry, half), mask_arg, self._no_longs if wait_stats is None else wait_stats,
-                self.status, recv_x.view(torch.int32),
-                self._no_words if recv_scales is None else recv_scales.view(torch.int32), src_info, route, layout_range,
-                recv_count, rank, experts_per_rank, num_max_tokens, NUM_SENDERS, self.timeout_ns, K=topk, R=R,
-                XW=payload_words, SW=scale_words, SLOT_W=slot_words, HAS_MASK=mask is not None,
-                HAS_STATS=wait_stats is not None, BLOCK_RN=_next_pow2(slots), BLOCK_R=_next_pow2(R),
-                BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=RECV_ROWS,
-                num_warps=NUM_WARPS)
+                **receive_only, **_pick(send, _DISPATCH_SHARED), num_warps=NUM_WARPS)
         return output, receive
 
     def _counters(self, geometry: _Geometry, half: int):
@@ -156,8 +182,8 @@ class NVLinkLowLatency:
     # ---- combine ----------------------------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
                 layout_range: torch.Tensor, num_max_tokens: int, use_logfmt: bool, mask: Optional[torch.Tensor],
-                out: torch.Tensor, wait_stats: Optional[torch.Tensor], half: int):
-        from .ll_combine import ll_combine_recv_kernel, ll_combine_send_kernel
+                out: torch.Tensor, wait_stats: Optional[torch.Tensor], half: int, hook: bool):
+        from .ll_combine import ll_combine_kernel, ll_combine_recv_kernel, ll_combine_send_kernel
         R, rank = self.topology.num_ranks, self.topology.rank
         experts_per_rank, _, hidden = x.shape
         num_experts = experts_per_rank * R
@@ -173,26 +199,32 @@ class NVLinkLowLatency:
         geometry = self._geometry(num_max_tokens, hidden, num_experts, half, num_max_tokens * topk * hidden * 2,
                                   "low_latency_combine")
         mask = None if mask is None else mask.clone()
-        mask_arg = self._no_words if mask is None else mask
         block_h = max(_next_pow2(hidden), 1024) if use_logfmt else _next_pow2(hidden)
-        ll_combine_send_kernel[(NUM_SENDERS,)](
-            x, layout_range, route, self.peers.bases, mask_arg, self.status, rank, experts_per_rank, num_max_tokens,
-            x.stride(0), x.stride(1), geometry.data, geometry.arrived, geometry.received, self.timeout_ns, H=hidden,
-            K=topk, R=R,
+        send = dict(
+            x_ptr=x, layout_ptr=layout_range, route_ptr=route, bases_ptr=self.peers.bases,
+            mask_ptr=self._no_words if mask is None else mask, status_ptr=self.status, rank=rank,
+            experts_per_rank=experts_per_rank, num_max_tokens=num_max_tokens, x_expert_stride=x.stride(0),
+            x_row_stride=x.stride(1), rows_offset=geometry.data, arrived_offset=geometry.arrived,
+            received_offset=geometry.received, timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R,
             HAS_MASK=mask is not None, LOGFMT=use_logfmt, BLOCK_H=block_h, BLOCK_E=_next_pow2(experts_per_rank),
-            BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS, num_warps=NUM_WARPS,
-            enable_fp_fusion=not use_logfmt)
+            BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS)
+        arrived, received, finished = self._counters(geometry, half)
         # a receive program sums one chunk of a token's K rows, loaded at once (about 32 values a thread)
         chunk = min(_next_pow2(hidden), max(128, COMBINE_TILE // _next_pow2(topk)))
+        receive_only = dict(
+            rows_ptr=self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.bfloat16), arrived_ptr=arrived,
+            received_ptr=received, finished_ptr=finished, idx_ptr=topk_idx, weights_ptr=topk_weights, out_ptr=out,
+            stats_ptr=self._no_longs if wait_stats is None else wait_stats, num_tokens=num_tokens,
+            num_experts=num_experts, num_senders=NUM_SENDERS, HAS_STATS=wait_stats is not None, CHUNK=chunk,
+            BLOCK_K=_next_pow2(topk))
+        if not hook and self.can_fuse:   # the sums are compiled without fused multiply-adds, as the reference
+            ll_combine_kernel[(NUM_SENDERS,)](**send, **receive_only, num_warps=NUM_WARPS, enable_fp_fusion=False)
+            return _nothing
+        ll_combine_send_kernel[(NUM_SENDERS,)](**send, num_warps=NUM_WARPS, enable_fp_fusion=not use_logfmt)
 
         def receive() -> None:
             ll_combine_recv_kernel[(max(1, min(num_tokens * -(-hidden // chunk), 2 * self.num_sms)),)](
-                self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.bfloat16),
-                *self._counters(geometry, half), topk_idx, topk_weights, mask_arg, out,
-                self._no_longs if wait_stats is None else wait_stats, self.status,
-                num_tokens, num_experts, experts_per_rank, NUM_SENDERS, self.timeout_ns, H=hidden, K=topk, R=R,
-                HAS_MASK=mask is not None, HAS_STATS=wait_stats is not None, CHUNK=chunk,
-                BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R), num_warps=NUM_WARPS, enable_fp_fusion=False)
+                **receive_only, **_pick(send, _COMBINE_SHARED), num_warps=NUM_WARPS, enable_fp_fusion=False)
         return receive
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
