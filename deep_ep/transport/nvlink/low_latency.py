@@ -12,8 +12,8 @@ Nothing waits on the host, so dispatch and combine can be captured in a CUDA gra
 call is two kernel launches: a send kernel that returns at once, and the receive kernel, which the hook
 launches. Without one, one kernel sends and then receives (one launch and one gap between graph nodes
 less); its programs wait for each other, so it is used only when they all fit on the GPU at once
-(DEEP_EP_LL_FUSED=0 turns it off). Expert ids are checked on the
-GPU; bad ones count as no selection and are reported at the next low-latency call, like timeouts.
+(DEEP_EP_LL_FUSED=0 turns it off). Expert ids are checked on the GPU; bad ones count as no selection and
+are reported at the next low-latency call, like timeouts.
 """
 from __future__ import annotations
 
