@@ -3,8 +3,9 @@
 # (Triton compiles on many CPU cores at once); a short table last. Installs nothing (the machine's torch and
 # Triton are used); run from the repository root.
 # Usage: bash benchmarks/gpu_run.sh [seconds for the tests, default 300] [parts, default "bench normal ll other"]
-#   bench: normal mode at 24, 16 and 8 SMs and low-latency mode (2 GPUs); on one GPU a short low-latency run
-#          with both ranks on it, which checks the benchmark's code paths (its times say nothing of NVLink)
+#   bench: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py); normal mode at 24, 16 and 8
+#          SMs and low-latency mode (2 GPUs); on one GPU a short low-latency run with both ranks on it, which
+#          checks the benchmark's code paths (its times say nothing of NVLink)
 #   normal: tests/test_nvlink.py; ll: the low-latency tests; other: the rest of the suite
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -25,6 +26,8 @@ bench() {   # title, then benchmark arguments; every run appends to bench.txt
     timeout "$limit" python3 -m deep_ep.bench "$@" >> "$out/bench.txt" 2>&1 || bench_status=$?
 }
 if has bench; then
+    echo "=== low-latency kernel times, one rank" >> "$out/bench.txt"
+    timeout "$limit" python3 benchmarks/ll_kernel_times.py >> "$out/bench.txt" 2>&1 || bench_status=$?
     if [ "$gpus" -lt 2 ]; then
         echo "one GPU: low-latency benchmark as a smoke test only (both ranks on this GPU)"
         bench "low-latency, both ranks on one GPU" --mode low-latency --warmup 2 --iters 5
