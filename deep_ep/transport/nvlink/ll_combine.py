@@ -120,7 +120,10 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
     ok = wait_arrivals(arrived_ptr + ro, (received + 1) * num_senders, open_, ro, stats_ptr, pid == 0,
                        timeout_ns, status_ptr, WAIT_LL_COMBINE, HAS_STATS)
     if ok:
-        for item in range(pid, num_tokens * CHUNKS, tl.num_programs(0)):
+        # contiguous items per program: a token's chunks mostly stay in one program (its ids and weights
+        # are then read from L1 after the first chunk)
+        per_program = tl.cdiv(num_tokens * CHUNKS, tl.num_programs(0))
+        for item in range(pid * per_program, tl.minimum((pid + 1) * per_program, num_tokens * CHUNKS)):
             t = item // CHUNKS
             ho = (item - t * CHUNKS) * CHUNK + co
             ids = tl.load(idx_ptr + t.to(tl.int64) * K + ko, mask=ko < K, other=-1)
