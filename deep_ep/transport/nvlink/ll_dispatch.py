@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .sync import claim_arrival, finish_receive, open_ranks, report_bad_ids, wait_arrivals, wait_half_free
+from .sync import (claim_arrival, finish_receive, open_ranks, report_bad_ids, row_pointer, wait_arrivals,
+                   wait_half_free)
 
 FP8_MAX = tl.constexpr(448.0)
 WAIT_LL_DISPATCH = tl.constexpr(4)
@@ -99,12 +100,12 @@ def _send(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num
         for k in tl.static_range(K):
             pick = ko == k
             if tl.sum((pick & first).to(tl.int32)) > 0:
-                slot = tl.multiple_of(tl.sum(tl.where(pick, slots, 0)), 16)
+                slot = tl.sum(tl.where(pick, slots, 0))
                 if FP8:
-                    tl.store(slot.to(tl.pointer_type(tl.float8e4nv)) + ho, data, mask=ho < H)
+                    tl.store(row_pointer(slot, ho, tl.float8e4nv, BLOCK_H), data, mask=ho < H)
                     tl.store((slot + XW * 4).to(tl.pointer_type(tl.int32)) + so, scale_words, mask=so < SW)
                 else:
-                    tl.store(slot.to(tl.pointer_type(tl.bfloat16)) + ho, row, mask=ho < H)
+                    tl.store(row_pointer(slot, ho, tl.bfloat16, BLOCK_H), row, mask=ho < H)
     # after a timeout no arrival is claimed: the receivers time out too
     claim_arrival(bases_ptr, ro, rank_open & free, arrived_offset, rank)
 

@@ -89,6 +89,14 @@ def row_pointers(addresses, offsets, dtype: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def row_pointer(address, offsets, dtype: tl.constexpr, BLOCK: tl.constexpr):
+    """[BLOCK] pointers: one row at byte address `address` (16-byte aligned), element offsets. The hints let
+    stores through an address computed on the GPU use 16-byte accesses."""
+    ptrs = tl.multiple_of(address, 16).to(tl.pointer_type(dtype)) + offsets
+    return tl.max_contiguous(tl.multiple_of(ptrs, 16), BLOCK)
+
+
+@triton.jit
 def report_bad_ids(status_ptr, bad, ids):
     """Record in status[2:4] that expert ids outside [-1, E) were seen (they count as no selection)."""
     if tl.sum(bad.to(tl.int32)) > 0:
