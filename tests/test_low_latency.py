@@ -704,9 +704,49 @@ def run_all(ctx, seed: int, names: List[str]) -> List[str]:
     return chk.errors
 
 
+def run_hook_flags(ctx, seed: int) -> List[tuple]:
+    """The transport learns whether the receive runs later (a hook) or right away: the NVLink path then
+    chooses two kernels or one, so a wrong flag would keep a kernel resident until the hook, or make the
+    hook do nothing while the receive already ran. Returns (operation, flag) per call."""
+    seen: List[tuple] = []
+    buffer = make_buffer(ctx, 8, 256, 2 * ctx.world_size, explicitly_destroy=True)
+    transport = buffer._transport
+    dispatch, combine = transport.low_latency_dispatch, transport.low_latency_combine
+    transport.low_latency_dispatch = lambda *a: seen.append(("dispatch", a[-1])) or dispatch(*a)
+    transport.low_latency_combine = lambda *a: seen.append(("combine", a[-1])) or combine(*a)
+    g = generator(seed, ctx.rank)
+    x = torch.randn((4, 256), generator=g).to(ctx.device, torch.bfloat16)
+    topk_idx = torch.randint(0, 2 * ctx.world_size, (4, 2), generator=g).to(ctx.device)
+    weights = torch.rand((4, 2), generator=g).to(ctx.device)
+    try:
+        for mode in ("sync", "hook", "async"):
+            flags = dict(return_recv_hook=mode == "hook", async_finish=mode == "async")
+            _, _, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, 8, 2 * ctx.world_size,
+                                                                    use_fp8=False, **flags)
+            if hook is not None:
+                hook()
+            if mode == "async":
+                event.current_stream_wait()
+            experts = torch.randn((2, 8 * ctx.world_size, 256), generator=g).to(ctx.device, torch.bfloat16)
+            _, event, hook = buffer.low_latency_combine(experts, topk_idx, weights, handle, **flags)
+            if hook is not None:
+                hook()
+            if mode == "async":
+                event.current_stream_wait()
+    finally:
+        buffer.destroy()
+    return seen
+
+
 # ---------------------------------------------------------------------------------------------------
 # tests
 # ---------------------------------------------------------------------------------------------------
+
+def test_low_latency_transport_told_about_hooks(pool):
+    for seen in pool(2).run(run_hook_flags, base_seed()):
+        assert seen == [("dispatch", False), ("combine", False), ("dispatch", True), ("combine", True),
+                        ("dispatch", False), ("combine", False)], seen
+
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_low_latency(pool, world_size):
