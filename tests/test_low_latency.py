@@ -641,6 +641,22 @@ def run_shrink(chk: Checker, ctx, seed: int, masked: List[int]) -> None:
     query([0] * num_ranks, "after clean")
     buf.clean_low_latency_buffer(n, hidden, num_experts)
     rounds("cleared", None, [4])
+    # vLLM's fault-tolerance clean-up instead: every rank zeroes its whole low-latency buffer (nothing in
+    # flight), then clears the masks (docs/DESIGN.md)
+    for g in range(num_ranks):
+        if masks[rank][g]:
+            buf.low_latency_update_mask_buffer(g, mask=True)
+    rounds("masked again", masks, [6])
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    torch.distributed.barrier(group=ctx.group)
+    buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True).zero_()
+    buf.low_latency_clean_mask_buffer()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    torch.distributed.barrier(group=ctx.group)
+    query([0] * num_ranks, "after zeroing the buffer")
+    rounds("zeroed", None, [7, 8])
 
 
 # ---------------------------------------------------------------------------------------------------
