@@ -11,8 +11,8 @@ half. The send areas are only read (zero-copy combine input).
 Nothing waits on the host, so dispatch and combine can be captured in a CUDA graph. With a receive hook a
 call is two kernel launches: a send kernel that returns at once, and the receive kernel, which the hook
 launches. Without one, one kernel sends and then receives (one launch and one gap between graph nodes
-less); its programs wait for each other, so it is used only when they all fit on the GPU at once
-(DEEP_EP_LL_FUSED=0 turns it off). Expert ids are checked on the GPU; bad ones count as no selection and
+less); its programs wait for each other, so it is launched as a cooperative grid, which CUDA runs only
+with all programs resident at once (DEEP_EP_LL_FUSED=0 turns it off). Expert ids are checked on the GPU; bad ones count as no selection and
 are reported at the next low-latency call, like timeouts.
 """
 from __future__ import annotations
@@ -53,6 +53,14 @@ def _nothing() -> None:
     """The receive step of a call whose kernel already received."""
 
 
+def _cooperative_launch_supported() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 class _Geometry:
     """Where a call's areas sit in a half, for (N, hidden, num_experts) and this group."""
 
@@ -81,9 +89,11 @@ class NVLinkLowLatency:
         self.peers = PeerBuffers(self.area, group)
         self.finished = torch.zeros(2, dtype=torch.int64, device=device)   # programs done with a half's receive
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # send and receive in one kernel when there is no hook: its programs wait for each other, so all of
-        # them must fit on the GPU at once (one program per SM)
-        self.can_fuse = NUM_SENDERS <= self.num_sms and os.environ.get("DEEP_EP_LL_FUSED", "1") != "0"
+        # send and receive in one kernel when there is no hook: its programs wait for each other, so they are
+        # launched as a cooperative grid (all of them run at once, or the launch waits), which needs one
+        # program per SM and a Triton that can ask for it
+        self.can_fuse = (NUM_SENDERS <= self.num_sms and os.environ.get("DEEP_EP_LL_FUSED", "1") != "0"
+                         and _cooperative_launch_supported())
         self._routes: Dict[int, Tuple[torch.Tensor, int]] = {}   # id(src_info) -> (route, top-k)
         # stand-ins for optional pointer arguments (never read)
         self._no_words = torch.zeros(4, dtype=torch.int32, device=device)
@@ -159,13 +169,15 @@ class NVLinkLowLatency:
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         self._remember(src_info, route, topk)
         if not hook and self.can_fuse:
-            ll_dispatch_kernel[(NUM_SENDERS,)](**send, **receive_only, num_warps=NUM_WARPS)
+            ll_dispatch_kernel[(NUM_SENDERS,)](**send, **receive_only, num_warps=NUM_WARPS,
+                                                 launch_cooperative_grid=True)
             return output, _nothing
         ll_dispatch_send_kernel[(NUM_SENDERS,)](**send, num_warps=NUM_WARPS)
+        receive_args = dict(receive_only, **_pick(send, _DISPATCH_SHARED))   # the hook keeps only these alive
 
         def receive() -> None:
             ll_dispatch_recv_kernel[(max(1, min(experts_per_rank, 2 * self.num_sms)),)](
-                **receive_only, **_pick(send, _DISPATCH_SHARED), num_warps=NUM_WARPS)
+                **receive_args, num_warps=NUM_WARPS)
         return output, receive
 
     def _counters(self, geometry: _Geometry, half: int):
@@ -218,13 +230,15 @@ class NVLinkLowLatency:
             num_experts=num_experts, num_senders=NUM_SENDERS, HAS_STATS=wait_stats is not None, CHUNK=chunk,
             BLOCK_K=_next_pow2(topk))
         if not hook and self.can_fuse:   # the sums are compiled without fused multiply-adds, as the reference
-            ll_combine_kernel[(NUM_SENDERS,)](**send, **receive_only, num_warps=NUM_WARPS, enable_fp_fusion=False)
+            ll_combine_kernel[(NUM_SENDERS,)](**send, **receive_only, num_warps=NUM_WARPS, enable_fp_fusion=False,
+                                                launch_cooperative_grid=True)
             return _nothing
         ll_combine_send_kernel[(NUM_SENDERS,)](**send, num_warps=NUM_WARPS, enable_fp_fusion=not use_logfmt)
+        receive_args = dict(receive_only, **_pick(send, _COMBINE_SHARED))   # the hook keeps only these alive
 
         def receive() -> None:
             ll_combine_recv_kernel[(max(1, min(num_tokens * -(-hidden // chunk), 2 * self.num_sms)),)](
-                **receive_only, **_pick(send, _COMBINE_SHARED), num_warps=NUM_WARPS, enable_fp_fusion=False)
+                **receive_args, num_warps=NUM_WARPS, enable_fp_fusion=False)
         return receive
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
