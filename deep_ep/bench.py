@@ -668,11 +668,7 @@ def _bench_low_latency(ctx: _Ctx, results: Dict[str, Any], info: Dict[str, Any])
                 elif not torch.equal(recv_x[valid_d], rows):
                     problems.append("BF16 rows differ from the source rows")
         ctx.verify(name, problems)
-        if use_fp8:
-            data, scales = recv_x
-            return per_token_cast_back(data.view(-1, H), scales.reshape(-1, scales.shape[-1])) \
-                .to(torch.bfloat16).view(E_loc, R * N, H)
-        return recv_x
+        return _identity_expert_outputs(recv_x) if use_fp8 else recv_x
 
     def check_ll_combine(name: str, combined: torch.Tensor, tolerance: float,
                          expected: Optional[torch.Tensor] = None) -> None:
@@ -700,11 +696,7 @@ def _bench_low_latency(ctx: _Ctx, results: Dict[str, Any], info: Dict[str, Any])
     def baseline_round_trip(name: str, use_fp8: bool, tolerance: float):
         """Run the baseline once and check it like ours (a failure here is a bench bug, not a library bug)."""
         recv, per_expert, state = base.ll_dispatch(x, topk_idx, E, N, use_fp8)
-        if use_fp8:
-            expert_out = per_token_cast_back(recv[0].view(-1, H), recv[1].view(-1, recv[1].shape[-1])) \
-                .to(torch.bfloat16).view(E_loc, R * N, H)
-        else:
-            expert_out = recv
+        expert_out = _identity_expert_outputs(recv) if use_fp8 else recv
         combined = base.ll_combine(expert_out, topk_weights, state)
         problems = []
         if not torch.equal(per_expert.to(torch.int32).cpu(), expected_count.cpu()):
@@ -747,6 +739,15 @@ def _bench_low_latency(ctx: _Ctx, results: Dict[str, Any], info: Dict[str, Any])
     buffer.destroy()
 
 
+def _identity_expert_outputs(recv: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """What identity experts return for FP8-dispatched rows `(data [E_loc, R*N, H], scales)`: the rows
+    dequantised, in bf16, shaped like `data`."""
+    from .fp8 import per_token_cast_back
+    data, scales = recv
+    return per_token_cast_back(data.reshape(-1, data.shape[-1]), scales.reshape(-1, scales.shape[-1])) \
+        .to(torch.bfloat16).view(data.shape)
+
+
 def _capture(fn: Callable[[], Any]) -> "torch.cuda.CUDAGraph":
     """`fn` captured in a CUDA graph (run once eagerly first: kernels compile outside the capture)."""
     fn()
@@ -764,15 +765,10 @@ def _bench_low_latency_graphs(ctx: _Ctx, results: Dict[str, Any], buffer, base: 
     """Decode as serving engines run it: FP8 dispatch and BF16 combine replayed from CUDA graphs (also with one
     token per rank), and the two phases of a dispatch with a receive hook. Baseline: one all_to_all_single
     of a padded buffer each way."""
-    from .fp8 import per_token_cast_back, per_token_cast_to_fp8
+    from .fp8 import per_token_cast_to_fp8
     plan = ctx.plan
     N, H, E = plan["ll_tokens"], plan["hidden"], plan["ll_experts"]
     ctx.phase("low-latency: CUDA graphs (dispatch FP8, combine, both; 1 token), hook phases, padded baseline")
-
-    def identity_experts(recv) -> torch.Tensor:
-        data, scales = recv
-        return per_token_cast_back(data.view(-1, H), scales.reshape(-1, scales.shape[-1])) \
-            .to(torch.bfloat16).view(data.shape)
 
     fp8_rows = torch.cat([t.view(torch.uint8).view(N, -1) for t in per_token_cast_to_fp8(x)], dim=1)
     to_every_rank = fp8_rows.repeat(ctx.world, 1)
@@ -783,7 +779,7 @@ def _bench_low_latency_graphs(ctx: _Ctx, results: Dict[str, Any], buffer, base: 
         xs, idx, weights = x[:tokens].contiguous(), topk_idx[:tokens].contiguous(), topk_weights[:tokens].contiguous()
         out = torch.empty((tokens, H), dtype=torch.bfloat16, device=x.device)
         recv, _, handle, _, _ = buffer.low_latency_dispatch(xs, idx, N, E, use_fp8=True)
-        experts = identity_experts(recv)   # the expert outputs the combine graphs send back
+        experts = _identity_expert_outputs(recv)   # the expert outputs the combine graphs send back
         dispatch_graph = _capture(lambda: buffer.low_latency_dispatch(xs, idx, N, E, use_fp8=True))
         combine_graph = _capture(lambda: buffer.low_latency_combine(experts, idx, weights, handle, out=out))
         combine_graph.replay()
