@@ -1,11 +1,13 @@
 """Host cost of deep_ep calls: how long the host takes to enqueue one call, per operation (calls back to
 back; none of them waits for the GPU), and where that time goes (cProfile of rank 0).
 
-  python benchmarks/host_overhead.py [--calls 50] [--profile] [--transport nvlink]
+  python benchmarks/host_overhead.py [--calls 50] [--profile] [--transport nvlink] [--ranks 2]
 
-Needs 2 GPUs. DeepSeek training shape (4096 tokens, hidden 7168, top-8, 256 experts). A call's host time
-is hidden behind the GPU when it is shorter than the GPU time of the call before it; the benchmark's
-"isolated" column pays all of it.
+Normal mode at the DeepSeek training shape (4096 tokens, hidden 7168, top-8, 256 experts) and low-latency
+mode at the decode shape (128 tokens, top-8, 288 experts), eager calls. A call's host time is hidden
+behind the GPU when it is shorter than the GPU time of the call before it; the benchmark's "isolated"
+column pays all of it. Ranks default to the GPUs (at most 2), one per GPU; with one GPU a single rank
+(every row stays local, which changes the GPU time, not the host's work per call).
 """
 from __future__ import annotations
 
@@ -15,19 +17,26 @@ import io
 import os
 import pstats
 import socket
+import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PROFILED = ("get_dispatch_layout", "cached dispatch BF16", "combine")
+PROFILED = ("get_dispatch_layout", "cached dispatch BF16", "combine", "low_latency_dispatch FP8",
+            "low_latency_combine")
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
+    R = args.ranks
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    if R <= torch.cuda.device_count():
+        dist.init_process_group("nccl", rank=rank, world_size=R, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=R)
     import deep_ep
     from deep_ep.fp8 import per_token_cast_to_fp8
     T, H, K, E = 4096, 7168, 8, 256
@@ -36,8 +45,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     topk_idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(deep_ep.topk_idx_t).cuda()
     weights = torch.rand(T, K, generator=gen).cuda()
     x_fp8 = per_token_cast_to_fp8(x)
-    config = deep_ep.Buffer.get_dispatch_config(2)
-    nvl_bytes = config.get_nvl_buffer_size_hint(H * 2, 2)
+    config = deep_ep.Buffer.get_dispatch_config(R)
+    nvl_bytes = config.get_nvl_buffer_size_hint(H * 2, R)
     buffer = deep_ep.Buffer(dist.group.WORLD, nvl_bytes, 0, transport=args.transport, explicitly_destroy=True)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -51,11 +60,25 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         "combine": lambda: buffer.combine(recv_x, handle),
         "dispatch num_worst_tokens": lambda: buffer.dispatch(x, num_worst_tokens=worst, **layout),
     }
+    # low-latency mode: its own Buffer, decode shape
+    N, E_LL = 128, 288
+    ll_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(N, H, R, E_LL)
+    ll_buffer = deep_ep.Buffer(dist.group.WORLD, 0, ll_bytes, low_latency_mode=True, num_qps_per_rank=E_LL // R,
+                               transport=args.transport, explicitly_destroy=True)
+    ll_x = x[:N].contiguous()
+    ll_idx = torch.rand(N, E_LL, generator=gen).topk(K, dim=1).indices.to(deep_ep.topk_idx_t).cuda()
+    ll_weights = weights[:N].contiguous()
+    ll_recv, _, ll_handle, _, _ = ll_buffer.low_latency_dispatch(ll_x, ll_idx, N, E_LL, use_fp8=False)
+    ll_out = torch.randn(ll_recv.shape, generator=gen).to(torch.bfloat16).cuda()
+    ops["low_latency_dispatch FP8"] = lambda: ll_buffer.low_latency_dispatch(ll_x, ll_idx, N, E_LL, use_fp8=True)
+    ops["low_latency_combine"] = lambda: ll_buffer.low_latency_combine(ll_out, ll_idx, ll_weights, ll_handle)
     for fn in ops.values():
         for _ in range(3):
             fn()
     torch.cuda.synchronize()
-    lines = [f"host time per call, {args.calls} calls back to back (transport {buffer.transport_name}):"]
+    lines = [f"{R} rank(s), transport {buffer.transport_name}; {args.calls} calls back to back; host: time to enqueue "
+             "a call; events: median GPU time between events around each call (the benchmark's headline method)",
+             f"  {'operation':28s} {'host us':>8s} {'events us':>10s}"]
     for name, fn in ops.items():
         dist.barrier()
         start = time.perf_counter()
@@ -63,7 +86,16 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
             fn()
         host_us = (time.perf_counter() - start) / args.calls * 1e6
         torch.cuda.synchronize()
-        lines.append(f"  {name:28s} {host_us:8.1f} us")
+        dist.barrier()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(args.calls)]
+        for begin, end in events:
+            begin.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        event_us = statistics.median(begin.elapsed_time(end) * 1e3 for begin, end in events)
+        lines.append(f"  {name:28s} {host_us:8.1f} {event_us:10.1f}")
         if args.profile and name in PROFILED:
             # every rank repeats the calls (their kernels wait for each other); rank 0 profiles them
             dist.barrier()
@@ -84,6 +116,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.cuda.synchronize()
     dist.barrier()
     buffer.destroy()
+    ll_buffer.destroy()
     dist.destroy_process_group()
 
 
@@ -92,11 +125,13 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of rank 0")
     parser.add_argument("--transport", default="auto")
+    parser.add_argument("--ranks", type=int, default=min(2, torch.cuda.device_count()),
+                        help="processes (placed round-robin on the GPUs; gloo group when they share GPUs)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args, port), nprocs=2)
+    mp.spawn(_worker, args=(args, port), nprocs=args.ranks)
 
 
 if __name__ == "__main__":

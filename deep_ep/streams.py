@@ -27,8 +27,13 @@ class CommStream:
 
     def __init__(self, device: torch.device) -> None:
         self.stream: Optional[torch.cuda.Stream] = None
+        self.device_index = -1
         if device.type == "cuda":
+            self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.stream = torch.cuda.Stream(device=device, priority=-1)
+            # fences reused call after call (a wait takes the event's latest record)
+            self._caller_reached = torch.cuda.Event()
+            self._call_done = torch.cuda.Event()
 
     def run(self, fn: Callable[[], Any], inputs: Tuple[Any, ...], previous_event: Optional[EventOverlap],
             async_finish: bool, validate: Optional[Callable[[], None]] = None) -> Tuple[Any, EventOverlap]:
@@ -45,25 +50,35 @@ class CommStream:
                 validate()
             result = fn()
             return result, EventOverlap(EventHandle.completed() if async_finish else None)
-        compute = torch.cuda.current_stream()
+        # (streams are named by device index: the device-less forms of these calls cost several times more
+        # host time, which is most of a short call's)
+        compute = torch.cuda.current_stream(self.device_index)
         if previous_event is not None and previous_event.event is not None and not previous_event.event.is_host:
             self.stream.wait_event(previous_event.event.event)
         else:
-            self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
+            self._caller_reached.record(compute)
+            self.stream.wait_event(self._caller_reached)
+        caller_device = torch.cuda.current_device()
+        torch.cuda.set_stream(self.stream)   # (this also makes the Buffer's device current)
+        try:
             if validate is not None:
                 validate()
             result = fn()
-            event = EventHandle(self.stream)
-        capturing = torch.cuda.is_current_stream_capturing()
+            capturing = torch.cuda.is_current_stream_capturing()
+        finally:
+            torch.cuda.set_stream(compute)
+            if caller_device != self.device_index:
+                torch.cuda.set_device(caller_device)
         outputs = flatten_tensors(result if isinstance(result, (tuple, list)) else (result,))
         if not capturing:
             for tensor in outputs:
                 if tensor.is_cuda:
                     tensor.record_stream(compute)
         if not async_finish:
-            compute.wait_event(event.event)
+            self._call_done.record(self.stream)
+            compute.wait_event(self._call_done)
             return result, EventOverlap(None)
+        event = EventHandle(self.stream)
         if not capturing:
             for tensor in flatten_tensors(inputs):
                 if tensor.is_cuda:

@@ -17,7 +17,7 @@ class EventHandle:
 
     def __init__(self, stream: Optional["torch.cuda.Stream"] = None, *, host: bool = False) -> None:
         self.event: Optional[torch.cuda.Event] = None
-        if host or not torch.cuda.is_available():
+        if host or (stream is None and not torch.cuda.is_available()):
             return
         self.event = torch.cuda.Event()
         self.event.record(stream if stream is not None else torch.cuda.current_stream())

@@ -101,6 +101,8 @@ class NVLinkTransport(Transport):
         self.status = torch.zeros(4, dtype=torch.int32).pin_memory()
         self._status_words = self.status.numpy()   # the same pinned memory, read without torch overhead
         self.layout_bad = torch.zeros(2, dtype=torch.int64, device=device)
+        self.layout_done = torch.zeros(1, dtype=torch.int32, device=device)   # layout.py's DONE and SUMS (zeros
+        self.layout_sums = torch.zeros(0, dtype=torch.int32, device=device)   # between calls)
         self.scratch = torch.zeros(4 + R, dtype=torch.int64, device=device)   # value checks of a dispatch
         self.timeout_ns = int(timeout_s * 1e9)
         self._channels: Optional[int] = None
@@ -163,20 +165,23 @@ class NVLinkTransport(Transport):
 
     # ---- layout ----------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
-        from .layout import HISTOGRAM_MAX, layout_kernel
+        from .layout import COPY_BLOCK, HISTOGRAM_MAX, layout_kernel
         if not self.has_rings:
             return self.reference.get_dispatch_layout(topk_idx, num_experts)
         R = self.topology.num_ranks
         num_tokens, topk = topk_idx.shape
-        counts = torch.zeros(R + num_experts, dtype=torch.int32, device=self.device)
+        if self.layout_sums.numel() < R + num_experts:
+            self.layout_sums = torch.zeros(R + num_experts, dtype=torch.int32, device=self.device)
+        per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
         in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=self.device)
-        if num_tokens:
-            block_t = 64
-            layout_kernel[(-(-num_tokens // block_t),)](
-                topk_idx, counts, counts[R:], in_rank.view(torch.int8), self.layout_bad, num_tokens, num_experts,
-                num_experts // R, K=topk, R=R, BLOCK_T=block_t, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
-                BLOCK_E=_next_pow2(num_experts + 1) if num_experts <= HISTOGRAM_MAX else 0, num_warps=4)
-        return counts[:R], None, counts[R:], in_rank
+        block_t = 64
+        layout_kernel[(max(1, -(-num_tokens // block_t)),)](
+            topk_idx, self.layout_sums, self.layout_done, per_rank, per_expert, in_rank.view(torch.int8),
+            self.layout_bad, num_tokens, num_experts, num_experts // R, K=topk, R=R, BLOCK_T=block_t,
+            BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
+            BLOCK_E=_next_pow2(num_experts + 1) if num_experts <= HISTOGRAM_MAX else 0, COPY=COPY_BLOCK, num_warps=4)
+        return per_rank, None, per_expert, in_rank
 
     # ---- dispatch ------------------------------------------------------------------------------------------
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
