@@ -82,6 +82,9 @@ class NVLinkTransport(Transport):
             raise ValueError("transport='nvlink' needs every rank of the group on one node")
         self.reference = ReferenceTransport(group, topology, device)
         self.has_rings = num_nvl_bytes > 0
+        if not self.has_rings:   # normal mode without a ring buffer (num_nvl_bytes == 0): the reference serves it
+            for name in ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine"):
+                setattr(self, name, getattr(self.reference, name))
         self.checks_values_on_device = self.has_rings
         R = topology.num_ranks
         self.notify_word, self.tail_word = 0, R
@@ -166,8 +169,6 @@ class NVLinkTransport(Transport):
     # ---- layout ----------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
         from .layout import COPY_BLOCK, HISTOGRAM_MAX, layout_kernel
-        if not self.has_rings:
-            return self.reference.get_dispatch_layout(topk_idx, num_experts)
         R = self.topology.num_ranks
         num_tokens, topk = topk_idx.shape
         if self.layout_sums.numel() < R + num_experts:
@@ -188,9 +189,6 @@ class NVLinkTransport(Transport):
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels):
         from .notify import notify_kernel
         from .plan import plan_kernel, prepare_kernel
-        if not self.has_rings:
-            return self.reference.dispatch(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                                           num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels)
         topo, dev = self.topology, self.device
         R, C, rank = topo.num_ranks, num_channels, topo.rank
         num_tokens, num_experts = x.shape[0], num_tokens_per_expert.numel()
@@ -266,8 +264,6 @@ class NVLinkTransport(Transport):
         return num_recv, aligned
 
     def cached_dispatch(self, x, x_scales, handle, num_channels):
-        if not self.has_rings:
-            return self.reference.cached_dispatch(x, x_scales, handle, num_channels)
         plan = self._plan(handle)
         self._begin(plan.num_channels)
         geometry = self._dispatch_geometry(x, x_scales, None, plan.num_channels)
@@ -318,8 +314,6 @@ class NVLinkTransport(Transport):
     # ---- combine ---------------------------------------------------------------------------------------------
     def combine(self, x, handle, topk_weights, biases, num_channels):
         from .combine import combine_kernel
-        if not self.has_rings:
-            return self.reference.combine(x, handle, topk_weights, biases, num_channels)
         topo, dev = self.topology, self.device
         plan = self._plan(handle)
         R, C, hidden = topo.num_ranks, plan.num_channels, x.shape[1]

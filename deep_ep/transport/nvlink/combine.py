@@ -43,7 +43,7 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
         sent0 = tl.load(ctrl + sent_word + ro * CMAX + q, mask=peers, other=0)
         head_ptrs = ctrl + head_word + ro * CMAX + q
         tail_ptrs = (peer_bases + (tail_word + rank * CMAX + q) * 8).to(tl.pointer_type(tl.int64))
-        _, ok = wait_at_least(head_ptrs, sent0, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
+        ok = wait_at_least(head_ptrs, sent0, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
         sent = tl.zeros([BLOCK_R], tl.int64)
         remaining = tl.sum(count)
         failed = ok == 0
@@ -97,7 +97,7 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
             te = tl.minimum(tb + batch, t1)
             upto = base + tl.load(before_ptr + te * R + ro, mask=ro < R, other=0).to(tl.int64)
             if ok:
-                _, ok = wait_at_least(tail_ptrs, upto, peers, ro, timeout_ns, status_ptr, WAIT_ROWS)
+                ok = wait_at_least(tail_ptrs, upto, peers, ro, timeout_ns, status_ptr, WAIT_ROWS)
             if ok:
                 for first_token in range(tb, te, ROWS):
                     tokens = first_token + to

@@ -99,13 +99,13 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
         base = sent0 - tl.load(before_ptr + t0 * R + ro, mask=ro < R, other=0).to(tl.int64)
         head_ptrs = ctrl + head_word + ro * CMAX + q
         tail_ptrs = (peer_bases + (tail_word + rank * CMAX + q) * 8).to(tl.pointer_type(tl.int64))
-        _, ok = wait_at_least(head_ptrs, sent0, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
+        ok = wait_at_least(head_ptrs, sent0, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
         self_row0 = tl.load(prefix_ptr + rank)
         for tb in range(t0, t1, batch):
             te = tl.minimum(tb + batch, t1)
             upto = base + tl.load(before_ptr + te * R + ro, mask=ro < R, other=0).to(tl.int64)
             if ok:
-                _, ok = wait_at_least(head_ptrs, upto - ring_slots, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
+                ok = wait_at_least(head_ptrs, upto - ring_slots, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
             if ok:
                 for first_token in range(tb, te, ROWS):
                     tokens = first_token + to

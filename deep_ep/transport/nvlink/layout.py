@@ -17,9 +17,9 @@ COPY_BLOCK = 1024      # SUMS entries the last program moves at once
 
 
 @triton.jit
-def layout_kernel(idx_ptr, sums_ptr, done_ptr, per_rank_ptr, per_expert_ptr, in_rank_ptr, bad_ptr, num_tokens, num_experts,
-                  experts_per_rank, K: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, COPY: tl.constexpr):
+def layout_kernel(idx_ptr, sums_ptr, done_ptr, per_rank_ptr, per_expert_ptr, in_rank_ptr, bad_ptr, num_tokens,
+                  num_experts, experts_per_rank, K: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, COPY: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ko = tl.arange(0, BLOCK_K)
     ro = tl.arange(0, BLOCK_R)

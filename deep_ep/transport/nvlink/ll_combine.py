@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .sync import (claim_arrival, finish_receive, open_ranks, report_bad_ids, row_pointers, wait_arrivals,
+from .sync import (claim_arrival, finish_receive, open_ranks, report_bad_ids, row_pointers, wait_for_senders,
                    wait_half_free)
 
 WAIT_LL_COMBINE = tl.constexpr(5)
@@ -112,13 +112,10 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
              CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     CHUNKS: tl.constexpr = (H + CHUNK - 1) // CHUNK
     pid = tl.program_id(0)
-    ro = tl.arange(0, BLOCK_R)
     ko = tl.arange(0, BLOCK_K)
     co = tl.arange(0, CHUNK)
-    open_ = open_ranks(mask_ptr, ro, R, HAS_MASK)
-    received = tl.load(received_ptr)
-    ok = wait_arrivals(arrived_ptr + ro, (received + 1) * num_senders, open_, ro, stats_ptr, pid == 0,
-                       timeout_ns, status_ptr, WAIT_LL_COMBINE, HAS_STATS)
+    received, ok = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, stats_ptr, num_senders, timeout_ns,
+                                    status_ptr, WAIT_LL_COMBINE, R, HAS_MASK, HAS_STATS, BLOCK_R)
     if ok:
         # contiguous items per program: a token's chunks mostly stay in one program (its ids and weights
         # are then read from L1 after the first chunk)

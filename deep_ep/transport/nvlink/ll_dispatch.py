@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .sync import (claim_arrival, finish_receive, open_ranks, report_bad_ids, row_pointer, wait_arrivals,
+from .sync import (claim_arrival, finish_receive, open_ranks, report_bad_ids, row_pointer, wait_for_senders,
                    wait_half_free)
 
 FP8_MAX = tl.constexpr(448.0)
@@ -119,10 +119,8 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
              ROWS: tl.constexpr):
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
-    open_ = open_ranks(mask_ptr, ro, R, HAS_MASK)
-    received = tl.load(received_ptr)
-    ok = wait_arrivals(arrived_ptr + ro, (received + 1) * num_senders, open_, ro, stats_ptr, pid == 0,
-                       timeout_ns, status_ptr, WAIT_LL_DISPATCH, HAS_STATS)
+    received, ok = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, stats_ptr, num_senders, timeout_ns,
+                                    status_ptr, WAIT_LL_DISPATCH, R, HAS_MASK, HAS_STATS, BLOCK_R)
     if ok:
         RN = R * num_max_tokens
         jo = tl.arange(0, BLOCK_RN)            # entry j = source * N + token

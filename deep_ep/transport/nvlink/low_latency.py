@@ -12,8 +12,8 @@ Nothing waits on the host, so dispatch and combine can be captured in a CUDA gra
 call is two kernel launches: a send kernel that returns at once, and the receive kernel, which the hook
 launches. Without one, one kernel sends and then receives (one launch and one gap between graph nodes
 less); its programs wait for each other, so it is launched as a cooperative grid, which CUDA runs only
-with all programs resident at once (DEEP_EP_LL_FUSED=0 turns it off). Expert ids are checked on the GPU; bad ones count as no selection and
-are reported at the next low-latency call, like timeouts.
+with all programs resident at once (DEEP_EP_LL_FUSED=0 turns it off). Expert ids are checked on the GPU;
+bad ones count as no selection and are reported at the next low-latency call, like timeouts.
 """
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ COMBINE_TILE = 8192       # values of the K rows a combine receive program loads
 
 
 # arguments the receive kernels take from the send kernels' argument sets
-_DISPATCH_SHARED = ("mask_ptr", "status_ptr", "rank", "experts_per_rank", "num_max_tokens", "timeout_ns", "K", "R",
+_DISPATCH_SHARED = ("status_ptr", "rank", "experts_per_rank", "num_max_tokens", "timeout_ns", "K", "R",
                     "XW", "SW", "SLOT_W", "HAS_MASK", "BLOCK_R")
-_COMBINE_SHARED = ("mask_ptr", "status_ptr", "experts_per_rank", "timeout_ns", "H", "K", "R", "HAS_MASK", "BLOCK_R")
+_COMBINE_SHARED = ("status_ptr", "experts_per_rank", "timeout_ns", "H", "K", "R", "HAS_MASK", "BLOCK_R")
 
 
 def _next_pow2(value: int) -> int:
@@ -95,6 +95,7 @@ class NVLinkLowLatency:
         self.can_fuse = (NUM_SENDERS <= self.num_sms and os.environ.get("DEEP_EP_LL_FUSED", "1") != "0"
                          and _cooperative_launch_supported())
         self._routes: Dict[int, Tuple[torch.Tensor, int]] = {}   # id(src_info) -> (route, top-k)
+        self._plans: Dict[tuple, dict] = {}   # launch arguments per call shape (_dispatch_plan, _combine_plan)
         # stand-ins for optional pointer arguments (never read)
         self._no_words = torch.zeros(4, dtype=torch.int32, device=device)
         self._no_longs = torch.zeros(4, dtype=torch.int64, device=device)
@@ -116,13 +117,11 @@ class NVLinkLowLatency:
         return geometry
 
     # ---- dispatch ---------------------------------------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
-                 options: LowLatencyOptions, mask: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
-                 half: int, hook: bool):
-        from .ll_dispatch import ll_dispatch_kernel, ll_dispatch_recv_kernel, ll_dispatch_send_kernel
-        R, rank, dev = self.topology.num_ranks, self.topology.rank, self.device
-        num_tokens, hidden = x.shape
-        topk = topk_idx.shape[1]
+    def _dispatch_plan(self, num_max_tokens: int, hidden: int, num_experts: int, topk: int,
+                       options: LowLatencyOptions, has_mask: bool, has_stats: bool, half: int) -> dict:
+        """What a dispatch of this shape needs besides its tensors: launch arguments and output shapes (built
+        once per shape: most of an eager call's host time went into recomputing them)."""
+        R, rank = self.topology.num_ranks, self.topology.rank
         experts_per_rank = num_experts // R
         slots = R * num_max_tokens
         groups = num_scale_groups(hidden)
@@ -135,49 +134,70 @@ class NVLinkLowLatency:
         slot_words = _round_up(payload_words + scale_words, 4)
         geometry = self._geometry(num_max_tokens, hidden, num_experts, half,
                                   num_experts * num_max_tokens * slot_words * 4, "low_latency_dispatch")
-        if options.use_fp8:
-            recv_x = torch.empty((experts_per_rank, slots, hidden), dtype=torch.float8_e4m3fn, device=dev)
-            recv_scales = torch.empty((experts_per_rank, scale_words, slots), dtype=torch.int32 if options.use_ue8m0
-                                      else torch.float32, device=dev).transpose(1, 2)
-        else:
-            recv_x = torch.empty((experts_per_rank, slots, hidden), dtype=torch.bfloat16, device=dev)
-            recv_scales = None
-        recv_count = torch.empty(experts_per_rank, dtype=torch.int32, device=dev)
-        src_info = torch.empty((experts_per_rank, slots), dtype=torch.int32, device=dev)
-        layout_range = torch.empty((experts_per_rank, R), dtype=torch.int64, device=dev)
-        route = torch.empty((experts_per_rank, slots), dtype=torch.int32, device=dev)
-        mask = None if mask is None else mask.clone()   # the mask as of this call, also for its receive
         send = dict(
-            x_ptr=x, idx_ptr=topk_idx, bases_ptr=self.peers.bases, mask_ptr=self._no_words if mask is None else mask,
-            status_ptr=self.status, num_tokens=num_tokens, rank=rank, num_experts=num_experts,
+            bases_ptr=self.peers.bases, status_ptr=self.status, rank=rank, num_experts=num_experts,
             experts_per_rank=experts_per_rank, num_max_tokens=num_max_tokens, masks_offset=geometry.masks,
             slots_offset=geometry.data, arrived_offset=geometry.arrived, received_offset=geometry.received,
             timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R, FP8=options.use_fp8, ROUND=options.round_scale,
-            UE8M0=options.use_ue8m0, XW=payload_words, SW=scale_words, SLOT_W=slot_words, HAS_MASK=mask is not None,
+            UE8M0=options.use_ue8m0, XW=payload_words, SW=scale_words, SLOT_W=slot_words, HAS_MASK=has_mask,
             BLOCK_H=block_h, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
             BLOCK_G=block_h // (512 if options.use_ue8m0 else 128) if options.use_fp8 else 1)
         arrived, received, finished = self._counters(geometry, half)
         receive_only = dict(
             masks_ptr=self._view(geometry.masks, geometry.masks_bytes, torch.int32),
             slots_ptr=self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.int32), arrived_ptr=arrived,
-            received_ptr=received, finished_ptr=finished,
-            stats_ptr=self._no_longs if wait_stats is None else wait_stats, out_x_ptr=recv_x.view(torch.int32),
-            out_scales_ptr=self._no_words if recv_scales is None else recv_scales.view(torch.int32),
-            src_info_ptr=src_info, route_ptr=route, layout_ptr=layout_range, count_ptr=recv_count,
-            num_senders=NUM_SENDERS, HAS_STATS=wait_stats is not None, BLOCK_RN=_next_pow2(slots),
-            BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=RECV_ROWS)
+            received_ptr=received, finished_ptr=finished, num_senders=NUM_SENDERS, HAS_STATS=has_stats,
+            BLOCK_RN=_next_pow2(slots), BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)),
+            ROWS=RECV_ROWS)
+        return dict(send=send, receive_only=receive_only, receive=dict(receive_only, **_pick(send, _DISPATCH_SHARED)),
+                    receive_grid=(max(1, min(experts_per_rank, 2 * self.num_sms)),),
+                    x_shape=(experts_per_rank, slots, hidden), scale_shape=(experts_per_rank, scale_words, slots),
+                    count_shape=(experts_per_rank,), table_shape=(experts_per_rank, slots),
+                    range_shape=(experts_per_rank, R))
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
+                 options: LowLatencyOptions, mask: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
+                 half: int, hook: bool):
+        from .ll_dispatch import ll_dispatch_kernel, ll_dispatch_recv_kernel, ll_dispatch_send_kernel
+        dev = self.device
+        num_tokens, hidden = x.shape
+        topk = topk_idx.shape[1]
+        key = ("dispatch", num_max_tokens, hidden, num_experts, topk, options.use_fp8, options.round_scale,
+               options.use_ue8m0, mask is not None, wait_stats is not None, half)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._dispatch_plan(num_max_tokens, hidden, num_experts, topk, options,
+                                                          mask is not None, wait_stats is not None, half)
+        if options.use_fp8:
+            recv_x = torch.empty(plan["x_shape"], dtype=torch.float8_e4m3fn, device=dev)
+            recv_scales = torch.empty(plan["scale_shape"], dtype=torch.int32 if options.use_ue8m0 else torch.float32,
+                                      device=dev).transpose(1, 2)
+        else:
+            recv_x = torch.empty(plan["x_shape"], dtype=torch.bfloat16, device=dev)
+            recv_scales = None
+        recv_count = torch.empty(plan["count_shape"], dtype=torch.int32, device=dev)
+        src_info = torch.empty(plan["table_shape"], dtype=torch.int32, device=dev)
+        layout_range = torch.empty(plan["range_shape"], dtype=torch.int64, device=dev)
+        route = torch.empty(plan["table_shape"], dtype=torch.int32, device=dev)
+        mask = self._no_words if mask is None else mask.clone()   # the mask as of this call, also for its receive
+        outputs = dict(stats_ptr=self._no_longs if wait_stats is None else wait_stats,
+                       out_x_ptr=recv_x.view(torch.int32),
+                       out_scales_ptr=self._no_words if recv_scales is None else recv_scales.view(torch.int32),
+                       src_info_ptr=src_info, route_ptr=route, layout_ptr=layout_range, count_ptr=recv_count,
+                       mask_ptr=mask)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         self._remember(src_info, route, topk)
         if not hook and self.can_fuse:
-            ll_dispatch_kernel[(NUM_SENDERS,)](**send, **receive_only, num_warps=NUM_WARPS,
-                                                 launch_cooperative_grid=True)
+            ll_dispatch_kernel[(NUM_SENDERS,)](x_ptr=x, idx_ptr=topk_idx, num_tokens=num_tokens, **plan["send"],
+                                               **plan["receive_only"], **outputs, num_warps=NUM_WARPS,
+                                               launch_cooperative_grid=True)
             return output, _nothing
-        ll_dispatch_send_kernel[(NUM_SENDERS,)](**send, num_warps=NUM_WARPS)
-        receive_args = dict(receive_only, **_pick(send, _DISPATCH_SHARED))   # the hook keeps only these alive
+        ll_dispatch_send_kernel[(NUM_SENDERS,)](x_ptr=x, idx_ptr=topk_idx, num_tokens=num_tokens, mask_ptr=mask,
+                                                **plan["send"], num_warps=NUM_WARPS)
+        receive_args, receive_grid = dict(plan["receive"], **outputs), plan["receive_grid"]
 
-        def receive() -> None:
-            ll_dispatch_recv_kernel[(max(1, min(experts_per_rank, 2 * self.num_sms)),)](
-                **receive_args, num_warps=NUM_WARPS)
+        def receive() -> None:   # (keeps only the receive's arguments alive)
+            ll_dispatch_recv_kernel[receive_grid](**receive_args, num_warps=NUM_WARPS)
         return output, receive
 
     def _counters(self, geometry: _Geometry, half: int):
@@ -196,9 +216,7 @@ class NVLinkLowLatency:
                 layout_range: torch.Tensor, num_max_tokens: int, use_logfmt: bool, mask: Optional[torch.Tensor],
                 out: torch.Tensor, wait_stats: Optional[torch.Tensor], half: int, hook: bool):
         from .ll_combine import ll_combine_kernel, ll_combine_recv_kernel, ll_combine_send_kernel
-        R, rank = self.topology.num_ranks, self.topology.rank
         experts_per_rank, _, hidden = x.shape
-        num_experts = experts_per_rank * R
         num_tokens, topk = topk_idx.shape
         known = self._routes.get(id(src_info))
         if known is None:
@@ -208,38 +226,52 @@ class NVLinkLowLatency:
         if topk != dispatch_topk:
             raise ValueError(f"topk_idx must have the top-k of the matching low_latency_dispatch ({dispatch_topk} "
                              f"columns), got {topk}")
+        strides = x.stride()
+        key = ("combine", num_max_tokens, hidden, experts_per_rank, topk, use_logfmt, mask is not None,
+               wait_stats is not None, half, strides)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._combine_plan(num_max_tokens, hidden, experts_per_rank, topk, use_logfmt,
+                                                         mask is not None, wait_stats is not None, half, strides)
+        mask = self._no_words if mask is None else mask.clone()
+        send = dict(plan["send"], x_ptr=x, layout_ptr=layout_range, route_ptr=route, mask_ptr=mask)
+        per_call = dict(idx_ptr=topk_idx, weights_ptr=topk_weights, out_ptr=out, num_tokens=num_tokens,
+                        stats_ptr=self._no_longs if wait_stats is None else wait_stats)
+        if not hook and self.can_fuse:   # the sums are compiled without fused multiply-adds, as the reference
+            ll_combine_kernel[(NUM_SENDERS,)](**send, **plan["receive_only"], **per_call, num_warps=NUM_WARPS,
+                                              enable_fp_fusion=False, launch_cooperative_grid=True)
+            return _nothing
+        ll_combine_send_kernel[(NUM_SENDERS,)](**send, num_warps=NUM_WARPS, enable_fp_fusion=not use_logfmt)
+        receive_args = dict(plan["receive"], mask_ptr=mask, **per_call)   # the hook keeps only these alive
+        receive_grid = (max(1, min(num_tokens * -(-hidden // plan["chunk"]), 2 * self.num_sms)),)
+
+        def receive() -> None:
+            ll_combine_recv_kernel[receive_grid](**receive_args, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        return receive
+
+    def _combine_plan(self, num_max_tokens: int, hidden: int, experts_per_rank: int, topk: int, use_logfmt: bool,
+                      has_mask: bool, has_stats: bool, half: int, strides: Tuple[int, ...]) -> dict:
+        """A combine's launch arguments besides its tensors, built once per shape (as _dispatch_plan)."""
+        R, rank = self.topology.num_ranks, self.topology.rank
+        num_experts = experts_per_rank * R
         geometry = self._geometry(num_max_tokens, hidden, num_experts, half, num_max_tokens * topk * hidden * 2,
                                   "low_latency_combine")
-        mask = None if mask is None else mask.clone()
         block_h = max(_next_pow2(hidden), 1024) if use_logfmt else _next_pow2(hidden)
         send = dict(
-            x_ptr=x, layout_ptr=layout_range, route_ptr=route, bases_ptr=self.peers.bases,
-            mask_ptr=self._no_words if mask is None else mask, status_ptr=self.status, rank=rank,
-            experts_per_rank=experts_per_rank, num_max_tokens=num_max_tokens, x_expert_stride=x.stride(0),
-            x_row_stride=x.stride(1), rows_offset=geometry.data, arrived_offset=geometry.arrived,
-            received_offset=geometry.received, timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R,
-            HAS_MASK=mask is not None, LOGFMT=use_logfmt, BLOCK_H=block_h, BLOCK_E=_next_pow2(experts_per_rank),
-            BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS)
+            bases_ptr=self.peers.bases, status_ptr=self.status, rank=rank, experts_per_rank=experts_per_rank,
+            num_max_tokens=num_max_tokens, x_expert_stride=strides[0], x_row_stride=strides[1],
+            rows_offset=geometry.data, arrived_offset=geometry.arrived, received_offset=geometry.received,
+            timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R, HAS_MASK=has_mask, LOGFMT=use_logfmt, BLOCK_H=block_h,
+            BLOCK_E=_next_pow2(experts_per_rank), BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS)
         arrived, received, finished = self._counters(geometry, half)
         # a receive program sums one chunk of a token's K rows, loaded at once (about 32 values a thread)
         chunk = min(_next_pow2(hidden), max(128, COMBINE_TILE // _next_pow2(topk)))
         receive_only = dict(
             rows_ptr=self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.bfloat16), arrived_ptr=arrived,
-            received_ptr=received, finished_ptr=finished, idx_ptr=topk_idx, weights_ptr=topk_weights, out_ptr=out,
-            stats_ptr=self._no_longs if wait_stats is None else wait_stats, num_tokens=num_tokens,
-            num_experts=num_experts, num_senders=NUM_SENDERS, HAS_STATS=wait_stats is not None, CHUNK=chunk,
-            BLOCK_K=_next_pow2(topk))
-        if not hook and self.can_fuse:   # the sums are compiled without fused multiply-adds, as the reference
-            ll_combine_kernel[(NUM_SENDERS,)](**send, **receive_only, num_warps=NUM_WARPS, enable_fp_fusion=False,
-                                                launch_cooperative_grid=True)
-            return _nothing
-        ll_combine_send_kernel[(NUM_SENDERS,)](**send, num_warps=NUM_WARPS, enable_fp_fusion=not use_logfmt)
-        receive_args = dict(receive_only, **_pick(send, _COMBINE_SHARED))   # the hook keeps only these alive
-
-        def receive() -> None:
-            ll_combine_recv_kernel[(max(1, min(num_tokens * -(-hidden // chunk), 2 * self.num_sms)),)](
-                **receive_args, num_warps=NUM_WARPS, enable_fp_fusion=False)
-        return receive
+            received_ptr=received, finished_ptr=finished, num_experts=num_experts, num_senders=NUM_SENDERS,
+            HAS_STATS=has_stats, CHUNK=chunk, BLOCK_K=_next_pow2(topk))
+        return dict(send=send, receive_only=receive_only, receive=dict(receive_only, **_pick(send, _COMBINE_SHARED)),
+                    chunk=chunk)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def clean(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:

@@ -48,8 +48,8 @@ def notify_kernel(colsum_ptr, per_expert_ptr, channel_counts_ptr, mismatch_ptr, 
     tl.atomic_xchg(peer.to(tl.pointer_type(tl.int64)) + notify_flag_word + rank, epoch, sem="release", scope="sys")
     own = tl.load(bases_ptr + rank)
     lane = tl.arange(0, 1)
-    _, ok = wait_at_least(own.to(tl.pointer_type(tl.int64)) + notify_flag_word + dest + lane, epoch + lane, lane == 0,
-                          dest + lane, timeout_ns, status_ptr, WAIT_NOTIFY)
+    ok = wait_at_least(own.to(tl.pointer_type(tl.int64)) + notify_flag_word + dest + lane, epoch + lane, lane == 0,
+                       dest + lane, timeout_ns, status_ptr, WAIT_NOTIFY)
     if ok:
         tl.debug_barrier()
         got = tl.load(own.to(tl.pointer_type(tl.int32)) + table + dest * STRIDE + offs, mask=in_record, volatile=True)

@@ -33,18 +33,31 @@ def report_timeout(status_ptr, code, peer):
 
 
 @triton.jit
-def wait_at_least(ptrs, targets, mask, peers, timeout_ns, status_ptr, code):
-    """Spin until every counter `ptrs[i]` (where `mask`) is >= `targets[i]`; returns (values, ok). On timeout
-    the first lagging lane's `peers[i]` is reported."""
-    values = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
-    lagging = tl.sum((mask & (values < targets)).to(tl.int32))
+def wait_counters(ptrs, targets, mask, peers, timeout_ns, status_ptr, code):
+    """Spin until every counter `ptrs[i]` (where `mask`) is >= `targets[i]`, polling only the lanes still
+    behind; returns (ok, waited): waited[i] is the nanoseconds from the start until lane i was seen ready.
+    On timeout the first lagging lane's `peers[i]` is reported."""
     start = globaltimer()
-    while (lagging > 0) & ((globaltimer() - start) < timeout_ns):
-        values = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
-        lagging = tl.sum((mask & (values < targets)).to(tl.int32))
-    if lagging > 0:
-        report_timeout(status_ptr, code, tl.min(tl.where(mask & (values < targets), peers, NO_PEER)))
-    return values, lagging == 0
+    values = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    lagging = (mask & (values < targets)).to(tl.int32)
+    waited = tl.where(mask, globaltimer() - start, 0)
+    # (the clock is read afresh in the condition and the body: a clock value carried through the loop
+    # crashes the Triton 3.6 compiler)
+    while (tl.sum(lagging) > 0) & ((globaltimer() - start) < timeout_ns):
+        values = tl.atomic_add(ptrs, 0, mask=lagging > 0, sem="acquire", scope="sys")
+        waited = tl.where(lagging > 0, globaltimer() - start, waited)
+        lagging = tl.where(lagging > 0, (values < targets).to(tl.int32), 0)
+    ok = tl.sum(lagging) == 0
+    if not ok:
+        report_timeout(status_ptr, code, tl.min(tl.where(lagging > 0, peers, NO_PEER)))
+    return ok, waited
+
+
+@triton.jit
+def wait_at_least(ptrs, targets, mask, peers, timeout_ns, status_ptr, code):
+    """wait_counters without the wait times; returns ok."""
+    ok, _ = wait_counters(ptrs, targets, mask, peers, timeout_ns, status_ptr, code)
+    return ok
 
 
 @triton.jit
@@ -107,28 +120,21 @@ def report_bad_ids(status_ptr, bad, ids):
 
 
 @triton.jit
-def wait_arrivals(ptrs, target, mask, peers, stats_ptr, record, timeout_ns, status_ptr, code,
-                  HAS_STATS: tl.constexpr):
-    """Spin until every counter `ptrs[i]` (where `mask`) is >= `target`; returns ok. With HAS_STATS, the
-    recording program adds to stats[peers[i]] the nanoseconds from the start until lane i was seen ready."""
-    start = globaltimer()
-    values = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
-    lagging = (mask & (values < target)).to(tl.int32)
-    waited = tl.where(mask, globaltimer() - start, 0)
-    # (the clock is read afresh in the condition and the body: a clock value carried through the loop
-    # crashes the Triton 3.6 compiler)
-    while (tl.sum(lagging) > 0) & ((globaltimer() - start) < timeout_ns):
-        values = tl.atomic_add(ptrs, 0, mask=lagging > 0, sem="acquire", scope="sys")
-        waited = tl.where(lagging > 0, globaltimer() - start, waited)
-        lagging = tl.where(lagging > 0, (values < target).to(tl.int32), 0)
-    ok = tl.sum(lagging) == 0
-    if not ok:
-        report_timeout(status_ptr, code, tl.min(tl.where(lagging > 0, peers, NO_PEER)))
+def wait_for_senders(arrived_ptr, received_ptr, mask_ptr, stats_ptr, num_senders, timeout_ns, status_ptr, code,
+                     R: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The start of a low-latency receive program: wait until ARRIVED[s] >= num_senders * (RECEIVED + 1) for
+    every source s its shrink mask leaves open; with HAS_STATS, program 0 adds to stats[s] how long source s
+    was waited for. Returns (RECEIVED, ok), after a barrier (every thread's later reads follow the wait)."""
+    lanes = tl.arange(0, BLOCK_R)
+    received = tl.load(received_ptr)
+    sources = open_ranks(mask_ptr, lanes, R, HAS_MASK)
+    ok, waited = wait_counters(arrived_ptr + lanes, (received + 1) * num_senders, sources, lanes, timeout_ns,
+                               status_ptr, code)
     if HAS_STATS:
-        if record:
-            tl.atomic_add(stats_ptr + peers, waited, mask=mask, sem="relaxed")
+        if tl.program_id(0) == 0:
+            tl.atomic_add(stats_ptr + lanes, waited, mask=sources, sem="relaxed")
     tl.debug_barrier()
-    return ok
+    return received, ok
 
 
 @triton.jit
@@ -156,8 +162,8 @@ def wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, s
     read yet is overwritten. Returns ok."""
     own = tl.load((tl.load(bases_ptr + rank) + received_offset).to(tl.pointer_type(tl.int64)))
     bases = tl.load(bases_ptr + lanes, mask=ranks, other=0)
-    _, ok = wait_at_least((bases + received_offset).to(tl.pointer_type(tl.int64)), own, ranks, lanes, timeout_ns,
-                          status_ptr, WAIT_LL_FREE)
+    ok = wait_at_least((bases + received_offset).to(tl.pointer_type(tl.int64)), own, ranks, lanes, timeout_ns,
+                       status_ptr, WAIT_LL_FREE)
     tl.debug_barrier()   # every thread's stores into the half come after the acquiring loads
     return ok
 
