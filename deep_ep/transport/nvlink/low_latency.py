@@ -10,9 +10,10 @@ half. The send areas are only read (zero-copy combine input).
 
 Nothing waits on the host, so dispatch and combine can be captured in a CUDA graph. With a receive hook a
 call is two kernel launches: a send kernel that returns at once, and the receive kernel, which the hook
-launches. Without one, one kernel sends and then receives (one launch and one gap between graph nodes
-less); its programs wait for each other, so it is launched as a cooperative grid, which CUDA runs only
-with all programs resident at once (DEEP_EP_LL_FUSED=0 turns it off). Expert ids are checked on the GPU;
+launches. Without one, and with few tokens (FUSED_MAX_TOKENS), one kernel sends and then receives (one
+launch and one gap between graph nodes less); its programs wait for each other, so it is launched as a
+cooperative grid, which CUDA runs only with all programs resident at once (DEEP_EP_LL_FUSED=0 turns it
+off). Expert ids are checked on the GPU;
 bad ones count as no selection and are reported at the next low-latency call, like timeouts.
 """
 from __future__ import annotations
@@ -33,6 +34,11 @@ NUM_WARPS = int(os.environ.get("DEEP_EP_LL_NUM_WARPS", "8"))
 RECV_ROWS = 4             # rows a dispatch receive program copies at once
 COMBINE_SEND_ROWS = 4     # rows a combine send program moves at once
 COMBINE_TILE = 8192       # values of the K rows a combine receive program loads at once
+# most tokens for which a call without a hook runs as one kernel: the fused kernel saves a launch and a gap,
+# but receives with NUM_SENDERS programs instead of up to two per SM (one H200, one rank, graph replays of
+# dispatch + combine, us, fused / two kernels: 1 token 24.5 / 26.8, 8: 28.9 / 34.8, 32: 36.6 / 33.2,
+# 128: 56.5 / 50.1)
+FUSED_MAX_TOKENS = int(os.environ.get("DEEP_EP_LL_FUSED_MAX_TOKENS", "16"))
 
 
 # arguments the receive kernels take from the send kernels' argument sets
@@ -187,7 +193,7 @@ class NVLinkLowLatency:
                        mask_ptr=mask)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         self._remember(src_info, route, topk)
-        if not hook and self.can_fuse:
+        if not hook and self.can_fuse and num_tokens <= FUSED_MAX_TOKENS:
             ll_dispatch_kernel[(NUM_SENDERS,)](x_ptr=x, idx_ptr=topk_idx, num_tokens=num_tokens, **plan["send"],
                                                **plan["receive_only"], **outputs, num_warps=NUM_WARPS,
                                                launch_cooperative_grid=True)
@@ -237,7 +243,7 @@ class NVLinkLowLatency:
         send = dict(plan["send"], x_ptr=x, layout_ptr=layout_range, route_ptr=route, mask_ptr=mask)
         per_call = dict(idx_ptr=topk_idx, weights_ptr=topk_weights, out_ptr=out, num_tokens=num_tokens,
                         stats_ptr=self._no_longs if wait_stats is None else wait_stats)
-        if not hook and self.can_fuse:   # the sums are compiled without fused multiply-adds, as the reference
+        if not hook and self.can_fuse and num_tokens <= FUSED_MAX_TOKENS:   # compiled without FMA, as the reference
             ll_combine_kernel[(NUM_SENDERS,)](**send, **plan["receive_only"], **per_call, num_warps=NUM_WARPS,
                                               enable_fp_fusion=False, launch_cooperative_grid=True)
             return _nothing
