@@ -687,6 +687,13 @@ def cases_for(num_ranks: int) -> List[Dict[str, Any]]:
             dict(name="h200-short-group", tokens=[3, 4, 2], N=4, hidden=200, topk=2, experts_per_rank=2,
                  rounds=[0, 1, 3, 8]),
         ]
+    if num_ranks > 4:   # more ranks than GPUs are lent: zero-token ranks, skewed routing, top-k above the rank count
+        return [
+            dict(name=f"{num_ranks}r-uneven-skewed", tokens=[(17 * r) % 24 for r in range(num_ranks)], N=24, hidden=256,
+                 topk=num_ranks + 1, experts_per_rank=3, routing="skewed", mask_frac=0.1, rounds=[0, 1, 2, 3, 5, 9]),
+            dict(name=f"{num_ranks}r-one-token-dup", tokens=[1] * num_ranks, N=2, hidden=384, topk=2,
+                 experts_per_rank=2, routing="dup", rounds=[4, 7]),
+        ]
     return [
         dict(name="skewed", tokens=[32, 17, 0, 32], N=32, hidden=256, topk=8, experts_per_rank=4, routing="skewed",
              mask_frac=0.1, rounds=ALL_ROUNDS),
@@ -764,7 +771,7 @@ def test_low_latency_transport_told_about_hooks(pool):
                         ("dispatch", False), ("combine", False)], seen
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 6])
 def test_low_latency(pool, world_size):
     seed = base_seed()
     print(f"test_low_latency world_size={world_size} seed={seed} (replay: DEEP_EP_TEST_SEED={seed})")

@@ -479,6 +479,21 @@ CASES_4 = [
          with_topk=False, num_sms=None, events="prev_async_alloc", biases=["none"]),
 ]
 
+# more ranks than the GPU machines lend GPUs (non-powers of two among them): ranks with nothing to send,
+# FP8 and top-32 at 6 ranks; 8 ranks with uneven counts
+CASES_6 = [
+    dict(name="6r-zero-tokens-fp8-worst-cached", tokens=[33, 0, 71, 5, 0, 128], hidden=256, topk=8, experts_per_rank=4,
+         x="fp8", mask_frac=0.1, num_sms=12, worst=True, cached=["bf16", "fp8_col"], biases=["two"]),
+    dict(name="6r-top32-skewed-align128", tokens=[40, 41, 1, 0, 90, 12], hidden=136, topk=32, experts_per_rank=7,
+         routing="skewed", alignment=128, num_sms=4, events="async", biases=["one"]),
+]
+CASES_8 = [
+    dict(name="8r-bf16-uneven-cached-biases", tokens=[64, 3, 0, 120, 17, 1, 80, 44], hidden=128, topk=8,
+         experts_per_rank=4, mask_frac=0.2, num_sms=8, worst=True, cached=["fp8"], biases=ALL_BIASES, repeat=True),
+    dict(name="8r-fp8i32col-dup-prevasync", tokens=[10, 20, 30, 40, 0, 5, 15, 25], hidden=512, topk=3,
+         experts_per_rank=2, x="fp8_i32_col", routing="dup", num_sms=24, events="prev_async_alloc", biases=["none"]),
+]
+
 # Edge cases where ranks receive nothing; they run last so that a failure (which stops a rank's remaining
 # cases) hides nothing else.
 EDGE_CASES = {
@@ -546,10 +561,11 @@ def _report(seed: int, run) -> None:
         "\n".join(errors[:40])
 
 
-@pytest.mark.parametrize("world_size,cases", [(2, CASES_2), (3, CASES_3), (4, CASES_4)], ids=["2ranks", "3ranks", "4ranks"])
+@pytest.mark.parametrize("world_size,cases", [(2, CASES_2), (3, CASES_3), (4, CASES_4), (6, CASES_6), (8, CASES_8)],
+                         ids=["2ranks", "3ranks", "4ranks", "6ranks", "8ranks"])
 def test_intranode(pool, world_size, cases):
     seed = base_seed()
-    cases = cases + random_cases(seed, world_size, 3) + EDGE_CASES[world_size]
+    cases = cases + random_cases(seed, world_size, 3 if world_size <= 4 else 2) + EDGE_CASES.get(world_size, [])
     _report(seed, lambda: pool(world_size).run(run_cases, seed, cases))
 
 
@@ -559,6 +575,17 @@ def test_internode_2_nodes_x_2_ranks(pool):
         dict(name="2x2-nothing-to-node-1", tokens=[30, 0, 17, 0], hidden=256, topk=2, experts_per_rank=2, num_sms=4,
              mask_frac=0.1, worst=True, cached=["fp8"], biases=["one"], routing="first_half")]
     _report(seed, lambda: pool(4).run(run_cases, seed, cases, 2))
+
+
+def test_internode_3_nodes_x_2_ranks(pool):
+    """An odd number of nodes: the per-node counts and the node-level forwarding have three nodes to serve."""
+    seed = base_seed()
+    cases = random_cases(seed, 6, 2, internode=True) + [
+        dict(name="3x2-fp8-worst-cached", tokens=[30, 0, 17, 64, 5, 40], hidden=256, topk=6, experts_per_rank=3,
+             x="fp8", mask_frac=0.1, num_sms=4, worst=True, cached=["bf16"], biases=["two"]),
+        dict(name="3x2-nothing-to-node-2", tokens=[12, 9, 0, 33, 0, 0], hidden=256, topk=2, experts_per_rank=2,
+             num_sms=2, routing="first_half", biases=["none"])]
+    _report(seed, lambda: pool(6).run(run_cases, seed, cases, 2))
 
 
 # ---------------------------------------------------------------------------------------------------
