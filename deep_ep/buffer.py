@@ -517,7 +517,7 @@ class Buffer:
                          inputs: tuple):
         """Launch, then either return a hook, or receive at once on the comm stream (async) / current stream."""
         if return_recv_hook:
-            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
             if self._low_latency_async and stream is not None and not torch.cuda.is_current_stream_capturing():
                 # an asynchronous low-latency call before this one may still run on the comm stream: calls
                 # must reach the GPU in order (they share the buffer halves)

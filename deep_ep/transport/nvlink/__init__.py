@@ -20,7 +20,7 @@ import math
 import os
 import weakref
 import zlib
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -106,6 +106,7 @@ class NVLinkTransport(Transport):
         self.layout_bad = torch.zeros(2, dtype=torch.int64, device=device)
         self.layout_done = torch.zeros(1, dtype=torch.int32, device=device)   # layout.py's DONE and SUMS (zeros
         self.layout_sums = torch.zeros(0, dtype=torch.int32, device=device)   # between calls)
+        self._retired_layout_sums: List[torch.Tensor] = []
         self.scratch = torch.zeros(4 + R, dtype=torch.int64, device=device)   # value checks of a dispatch
         self.timeout_ns = int(timeout_s * 1e9)
         self._channels: Optional[int] = None
@@ -172,6 +173,10 @@ class NVLinkTransport(Transport):
         R = self.topology.num_ranks
         num_tokens, topk = topk_idx.shape
         if self.layout_sums.numel() < R + num_experts:
+            if torch.cuda.is_current_stream_capturing():   # its zero-fill would only run at the first replay
+                raise RuntimeError(f"get_dispatch_layout: call it once with num_experts={num_experts} outside CUDA "
+                                   "graph capture first (it sets up the kernel's accumulator, which a capture cannot)")
+            self._retired_layout_sums.append(self.layout_sums)   # graphs captured with it still use it
             self.layout_sums = torch.zeros(R + num_experts, dtype=torch.int32, device=self.device)
         per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)

@@ -5,9 +5,12 @@ belong to (is_token_in_rank) and adds its block's per-rank and per-expert counts
 entries land in the spare bin E; with more than HISTOGRAM_MAX experts, one atomic per selection) into
 SUMS, a persistent [R + E] int32 accumulator that is all zeros between calls, with relaxed atomics. Then
 each program takes a ticket from DONE (acq_rel, after a barrier over its atomics); the program with the
-last ticket swaps SUMS back to zeros, writes what it took into the outputs, and resets DONE to 0. Calls of
-one Buffer run in order on its stream, so they never share SUMS. Ids outside [-1, E) count as no
-selection and are recorded in `bad` (count, one offending value) for the host to report at its next wait.
+last ticket swaps SUMS back to zeros, writes what it took into the outputs, and resets DONE to 0. So two
+layout kernels of one Buffer must not run at once: they do not when its calls and graph replays are
+issued in order (as every call of a Buffer must be: they share its buffers). SUMS grows with E; a grown
+one replaces it for later calls while graphs captured with the old one keep it. Ids outside [-1, E) count
+as no selection and are recorded in `bad` (count, one offending value) for the host to report at its next
+wait.
 """
 import triton
 import triton.language as tl

@@ -1,5 +1,5 @@
 """Low-latency combine over peer-mapped buffers: a send kernel at the experts' ranks and a receive kernel
-(the hook) at the tokens' ranks; without a hook, one kernel does both.
+(the hook) at the tokens' ranks; without a hook and with few tokens, one kernel does both.
 
 Areas of one buffer half, identical in every rank's low-latency buffer (byte offsets from the host):
   ARRIVED[src]     int64 (signal area, shared with the dispatch): send programs of `src` that finished here

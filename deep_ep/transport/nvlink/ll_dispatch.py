@@ -1,5 +1,6 @@
 """Low-latency dispatch over peer-mapped buffers: a send kernel that returns at once and a receive kernel
-(the hook), so no program stays resident while rows are in flight; without a hook, one kernel does both.
+(the hook), so no program stays resident while rows are in flight; without a hook and with few tokens, one
+kernel does both.
 
 Areas of one buffer half, identical in every rank's low-latency buffer (byte offsets from the host):
   ARRIVED[src]         int64 (signal area): send programs of `src` that finished their stores here
