@@ -104,19 +104,22 @@ class NVLinkTransport(Transport):
         self.status = torch.zeros(4, dtype=torch.int32).pin_memory()
         self._status_words = self.status.numpy()   # the same pinned memory, read without torch overhead
         self.layout_bad = torch.zeros(2, dtype=torch.int64, device=device)
-        self.layout_done = torch.zeros(1, dtype=torch.int32, device=device)   # layout.py's DONE and SUMS (zeros
-        self.layout_sums = torch.zeros(0, dtype=torch.int32, device=device)   # between calls)
+        # layout.py's DONE and SUMS, zeros between calls; SUMS is set up at the first call
+        self.layout_done = torch.zeros(1, dtype=torch.int32, device=device)
+        self.layout_sums = torch.zeros(0, dtype=torch.int32, device=device)
         self._retired_layout_sums: List[torch.Tensor] = []
         self.scratch = torch.zeros(4 + R, dtype=torch.int64, device=device)   # value checks of a dispatch
         self.timeout_ns = int(timeout_s * 1e9)
         self._channels: Optional[int] = None
         self._plans: Dict[int, _Plan] = {}   # id(handle[3]) -> plan, forgotten with the handle
         self.low_latency: Optional[NVLinkLowLatency] = None
-        if num_low_latency_bytes > 0:
+        if num_low_latency_bytes > 0:   # else the class's methods hand low-latency calls to the reference
             self.low_latency = NVLinkLowLatency(group, topology, device, num_low_latency_bytes, self.status,
                                                 self.timeout_ns)
             self.low_latency_buffer = self.low_latency.area
             self.low_latency_checks_values_on_device = True
+            self.low_latency_dispatch = self.low_latency.dispatch
+            self.low_latency_combine = self.low_latency.combine
         group.barrier("NVLink transport set-up")
 
     # ---- bookkeeping -------------------------------------------------------------------------------
@@ -360,20 +363,11 @@ class NVLinkTransport(Transport):
                              f"-1 or in [0, num_experts), found {value} (checked on the GPU; those entries were "
                              "treated as no selection)")
 
-    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half, hook):
-        if self.low_latency is None:
-            return self.reference.low_latency_dispatch(x, topk_idx, num_max_tokens, num_experts, options, mask,
-                                                       wait_stats, half, hook)
-        return self.low_latency.dispatch(x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half,
-                                         hook)
+    def low_latency_dispatch(self, *args):   # without a low-latency area (__init__ rebinds it when there is one)
+        return self.reference.low_latency_dispatch(*args)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt, mask,
-                            out, wait_stats, half, hook):
-        if self.low_latency is None:
-            return self.reference.low_latency_combine(x, topk_idx, topk_weights, src_info, layout_range,
-                                                      num_max_tokens, use_logfmt, mask, out, wait_stats, half, hook)
-        return self.low_latency.combine(x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt,
-                                        mask, out, wait_stats, half, hook)
+    def low_latency_combine(self, *args):
+        return self.reference.low_latency_combine(*args)
 
     def clean_low_latency(self, num_max_tokens, hidden, num_experts) -> None:
         if self.low_latency is not None:
