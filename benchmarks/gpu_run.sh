@@ -6,7 +6,8 @@
 #   bench: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py); normal mode at 24, 16 and 8
 #          SMs and low-latency mode (2 GPUs); on one GPU a short low-latency run with both ranks on it, which
 #          checks the benchmark's code paths (its times say nothing of NVLink)
-#   normal: tests/test_nvlink.py; ll: the low-latency tests; other: the rest of the suite
+#   normal: tests/test_nvlink.py (and its comparisons again with the rings only); ll: the low-latency tests;
+#   other: the rest of the suite
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DEEP_EP_TEST_TIMEOUT_S=500 DEEP_EP_TEST_BUFFER_TIMEOUT_S=60
@@ -29,14 +30,19 @@ if has bench; then
     echo "=== low-latency kernel times, one rank" >> "$out/bench.txt"
     timeout "$limit" python3 benchmarks/ll_kernel_times.py >> "$out/bench.txt" 2>&1 || bench_status=$?
     if [ "$gpus" -lt 2 ]; then
-        echo "one GPU: low-latency benchmark as a smoke test only (both ranks on this GPU)"
+        echo "one GPU: the benchmark as a smoke test only (both ranks on this GPU)"
         bench "low-latency, both ranks on one GPU" --mode low-latency --warmup 2 --iters 5
+        bench "normal, both ranks on one GPU, 2 GB buffer (direct)" --mode normal --num-sms 24 --nvl-bytes 2000000000 \
+            --warmup 2 --iters 10
+        bench "normal, both ranks on one GPU, hint-sized buffer (rings)" --mode normal --num-sms 24 --warmup 2 --iters 10
     else
-        bench "24 SMs" --mode all --num-sms 24
-        # the same with the rank's own rows copied by the dispatch receivers instead of the senders
-        DEEP_EP_NVLINK_OWN_ROWS=receiver bench "24 SMs, own rows copied by the receivers" --mode normal --num-sms 24
-        bench "16 SMs" --mode normal --num-sms 16
-        bench "8 SMs" --mode normal --num-sms 8
+        # a 2 GB buffer (DeepEP's own test passes 2e9): every row fits, the direct protocol serves dispatch and combine
+        bench "24 SMs, 2 GB buffer" --mode all --num-sms 24 --nvl-bytes 2000000000
+        bench "16 SMs, 2 GB buffer" --mode normal --num-sms 16 --nvl-bytes 2000000000
+        bench "8 SMs, 2 GB buffer" --mode normal --num-sms 8 --nvl-bytes 2000000000
+        # the size hint's buffer: the rows stream through the rings
+        bench "24 SMs, hint-sized buffer (rings)" --mode normal --num-sms 24
+        DEEP_EP_NVLINK_OWN_ROWS=receiver bench "24 SMs, rings, own rows copied by the receivers" --mode normal --num-sms 24
     fi
 fi
 
@@ -48,9 +54,12 @@ run_tests() {   # log name, then pytest arguments
     echo "$log exit $?" >> "$out/$log.log"
 }
 if has normal; then
-    run_tests tests_nvlink_compare tests/test_nvlink.py -k "sweep or small_rings or matches_model" &
+    run_tests tests_nvlink_sweep tests/test_nvlink.py -k "sweep" &
+    run_tests tests_nvlink_rings tests/test_nvlink.py -k "small_rings" &
+    run_tests tests_nvlink_model tests/test_nvlink.py -k "matches_model" &
     run_tests tests_nvlink_other tests/test_nvlink.py -k "not (sweep or small_rings or matches_model)" &
-    DEEP_EP_NVLINK_OWN_ROWS=receiver run_tests tests_own_receiver tests/test_nvlink.py -k "sweep or small_rings" &
+    DEEP_EP_NVLINK_DIRECT=0 DEEP_EP_NVLINK_OWN_ROWS=receiver run_tests tests_rings_only tests/test_nvlink.py \
+        -k "sweep or small_rings" &
 fi
 if has ll; then
     run_tests tests_ll_compare tests/test_nvlink_low_latency.py -k "matches_reference" &
@@ -62,7 +71,7 @@ if has other; then
 fi
 wait
 
-for log in tests_nvlink_compare tests_nvlink_other tests_own_receiver tests_ll_compare tests_ll_other tests_other; do
+for log in tests_nvlink_sweep tests_nvlink_rings tests_nvlink_model tests_nvlink_other tests_rings_only tests_ll_compare tests_ll_other tests_other; do
     [ -f "$out/$log.log" ] || continue
     echo "--- $log"
     grep -v "CudaIPCTypes" "$out/$log.log" | grep -E "(PASSED|FAILED|ERROR)( |$)|^(FAILED|ERROR) |passed|failed| exit " \

@@ -4,15 +4,20 @@
   non-cached dispatch: notify kernel (counts to every rank) -> counts to the host (the API's receive-count
     wait; skipped with num_worst_tokens) -> streaming dispatch kernel;
   cached dispatch, combine: the streaming kernel alone, with the routing kept from the handle.
-The streaming kernels move rows through per-(source, channel) rings with flow control (dispatch.py), so
-any buffer that holds one row per ring works, and nothing waits on the host. Low-latency calls run on a
-second peer-mapped area (low_latency.py). An operation whose buffer size is 0 goes to the reference
-transport.
+When the largest share any rank receives (dispatch) or sends back (combine) fits its buffer whole, one
+kernel pushes every row straight to its final slot with all programs (direct.py); otherwise the rows
+stream through per-(source, channel) rings with flow control (dispatch.py, combine.py), so any buffer
+that holds one row per ring works. The direct protocol needs the counts the non-cached dispatch waits
+for; a num_worst_tokens dispatch and its handle use the rings. Nothing else waits on the host.
+Low-latency calls run on a second peer-mapped area (low_latency.py). An operation whose buffer size is 0
+goes to the reference transport.
 
 Buffer layout (identical on every rank; counters int64, records int32):
-  [NOTIFY[R] | TAIL[R][CMAX] | HEAD[R][CMAX] | SENT[R][CMAX] | RECVD[R][CMAX] | records [2][R][REC_MAX] | rings]
-The rings area is the `num_nvl_bytes` of the Buffer (what get_local_buffer_tensor shows), split evenly into
-R x C rings (C = channels of the operation); the header before it is extra.
+  [NOTIFY[R] | TAIL[R][CMAX] | HEAD[R][CMAX] | SENT[R][CMAX] | RECVD[R][CMAX] | ARRIVE[R][2 CMAX] | DONE[R] |
+   OPS | TICKET | records [2][R][REC_MAX] | rows area]
+The rows area is the `num_nvl_bytes` of the Buffer (what get_local_buffer_tensor shows), split evenly into
+R x C rings (C = channels of the operation), or slots of the direct protocol; the header before it is extra.
+Set DEEP_EP_NVLINK_DIRECT=0 (on every rank) to always use the rings.
 """
 from __future__ import annotations
 
@@ -40,11 +45,12 @@ COMBINE_TILE = int(os.environ.get("DEEP_EP_NVLINK_COMBINE_TILE", "32768"))     #
 OWN_ROWS = os.environ.get("DEEP_EP_NVLINK_OWN_ROWS", "sender")
 if OWN_ROWS not in ("sender", "receiver"):
     raise ValueError(f"DEEP_EP_NVLINK_OWN_ROWS must be 'sender' or 'receiver', got {OWN_ROWS!r}")
+DIRECT = os.environ.get("DEEP_EP_NVLINK_DIRECT", "1") != "0"   # the direct protocol where the rows fit
 _ALIGN = 256
 
 
 def _ctrl_bytes(num_ranks: int) -> int:
-    return _round_up((num_ranks + 4 * num_ranks * CMAX) * 8, _ALIGN)
+    return _round_up((num_ranks + 6 * num_ranks * CMAX + num_ranks + 2) * 8, _ALIGN)
 
 
 def _record_max(num_ranks: int) -> int:
@@ -66,7 +72,11 @@ class _Plan(NamedTuple):
     recv_count: torch.Tensor  # [R, C] int32: rows this rank receives from (source, channel)
     recv_base: torch.Tensor   # [R, C] int32: first output row of (source, channel)
     prefix: torch.Tensor      # [R + 1] int32: first output row per source; prefix[R] = rows received
+    push_row0: torch.Tensor   # [R] int32: first row of this rank's rows in each destination's outputs
+    combine_row0: torch.Tensor  # [R] int32: first slot of this rank's rows in each source's combine area
     num_channels: int
+    max_recv_rows: Optional[int]  # most rows any rank receives, most any rank sends (None: unknown to the
+    max_send_rows: Optional[int]  # host, so the rings serve this routing)
 
 
 class NVLinkTransport(Transport):
@@ -89,6 +99,9 @@ class NVLinkTransport(Transport):
         R = topology.num_ranks
         self.notify_word, self.tail_word = 0, R
         self.head_word, self.sent_word, self.recvd_word = R + R * CMAX, R + 2 * R * CMAX, R + 3 * R * CMAX
+        self.arrive_word = R + 4 * R * CMAX
+        self.done_word = self.arrive_word + 2 * R * CMAX
+        self.ops_word, self.ticket_word = self.done_word + R, self.done_word + R + 1
         self.record_word = _ctrl_bytes(R) // 4
         self.record_max = _record_max(R)
         self.ring_word = header_bytes(R) // 4
@@ -157,6 +170,11 @@ class NVLinkTransport(Transport):
                              f"channels and rows of {slot_words * 4} bytes: need at least {need} (one row per ring)")
         return ring_words, slots, min(BATCH, slots)
 
+    def _fits_whole(self, most_rows: Optional[int], slot_words: int) -> bool:
+        """Whether the direct protocol serves an operation: its largest per-rank share (the same on every rank)
+        is known and fits the rows area whole."""
+        return DIRECT and most_rows is not None and most_rows * slot_words <= self.total_words - self.ring_word
+
     def _remember(self, rows: torch.Tensor, plan: _Plan) -> None:
         key = id(rows)
         self._plans[key] = plan
@@ -221,19 +239,20 @@ class NVLinkTransport(Transport):
                             received, self.peers.bases, self.notify_word, self.record_word, self.epoch, self.status,
                             rank, self.timeout_ns, experts_per_rank, C, R=R, REC=record_len,
                             STRIDE=self.record_max, BLOCK=_next_pow2(record_len), BLOCK_R=_next_pow2(R), num_warps=4)
-        tables = torch.empty(R + 1 + 4 * R * C + R * R, dtype=torch.int32, device=dev)
-        prefix, recv_count, recv_base, recv_channel_prefix, channel_prefix, rank_prefix_matrix = _split(
-            tables, [(R + 1,), (R, C), (R, C), (R, C), (R, C), (R, R)])
-        payload = torch.empty(1 + experts_per_rank + 2 * R + 4, dtype=torch.int64, device=dev)
+        tables = torch.empty(R + 1 + 4 * R * C + R * R + 2 * R, dtype=torch.int32, device=dev)
+        prefix, recv_count, recv_base, recv_channel_prefix, channel_prefix, rank_prefix_matrix, push_row0, \
+            combine_row0 = _split(tables, [(R + 1,), (R, C), (R, C), (R, C), (R, C), (R, R), (R,), (R,)])
+        payload = torch.empty(1 + experts_per_rank + 2 * R + 6, dtype=torch.int64, device=dev)
         plan_kernel[(1,)](received, channel_counts, prefix, recv_count, recv_base, rank_prefix_matrix, channel_prefix,
-                          recv_channel_prefix, payload, checks, rank, experts_per_rank, expert_alignment,
+                          recv_channel_prefix, push_row0, combine_row0, payload, checks, rank, experts_per_rank,
+                          expert_alignment,
                           REC=record_len, R=R, C=C, BLOCK_R=_next_pow2(R), BLOCK_C=_next_pow2(C),
                           BLOCK_E=_next_pow2(experts_per_rank), num_warps=4)
-        plan = _Plan(before, recv_count, recv_base, prefix, C)
         if num_worst_tokens:
-            num_rows, aligned_list = num_worst_tokens, []
+            num_rows, aligned_list, most = num_worst_tokens, [], (None, None)
         else:
-            num_rows, aligned_list = self._wait_counts(payload, signature, num_experts)
+            num_rows, aligned_list, most = self._wait_counts(payload, signature, num_experts)
+        plan = _Plan(before, recv_count, recv_base, prefix, push_row0, combine_row0, C, *most)
         out = self._run_dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank, plan, num_rows,
                                  rank * experts_per_rank, experts_per_rank, geometry)
         out.handle = (rank_prefix_matrix, channel_prefix, recv_channel_prefix, out.handle, is_token_in_rank, send_head)
@@ -247,10 +266,10 @@ class NVLinkTransport(Transport):
         host = payload.cpu().tolist()
         self._check_status()
         R, rank = self.topology.num_ranks, self.topology.rank
-        E_loc = len(host) - 1 - 2 * R - 4
+        E_loc = len(host) - 1 - 2 * R - 6
         num_recv, aligned = host[0], host[1:1 + E_loc]
         signatures, flags = host[1 + E_loc:1 + E_loc + R], host[1 + E_loc + R:1 + E_loc + 2 * R]
-        own_flags, low, high, layout_value = host[1 + E_loc + 2 * R:]
+        own_flags, low, high, layout_value, max_recv_rows, max_send_rows = host[1 + E_loc + 2 * R:]
         others = [r for r, s in enumerate(signatures) if s != signature]
         if others:
             raise ValueError(f"dispatch: rank(s) {others} called dispatch with a different hidden size, dtype, scales, "
@@ -269,7 +288,7 @@ class NVLinkTransport(Transport):
         if failed:
             raise ValueError(f"dispatch: rank(s) {failed} passed invalid inputs (see the errors there); no rank "
                              "sent anything")
-        return num_recv, aligned
+        return num_recv, aligned, (max_recv_rows, max_send_rows)
 
     def cached_dispatch(self, x, x_scales, handle, num_channels):
         plan = self._plan(handle)
@@ -304,19 +323,28 @@ class NVLinkTransport(Transport):
         recv_weights = None if topk_weights is None else torch.empty((num_rows, topk), dtype=torch.float32, device=dev)
         recv_src = torch.empty(num_rows, dtype=torch.int32, device=dev)
         dummy = recv_src
-        dispatch_kernel[(2 * C,)](
-            words, dummy if scales is None else scales.view(torch.int32), dummy if topk_idx is None else topk_idx,
-            dummy if topk_weights is None else topk_weights, is_token_in_rank.view(torch.int8), plan.before,
-            plan.recv_count, plan.recv_base, plan.prefix,
-            recv_x.view(torch.uint8).view(-1).view(torch.int32) if recv_x.numel() else dummy,
-            dummy if recv_scales is None else recv_scales.view(torch.int32), dummy if recv_idx is None else recv_idx,
-            dummy if recv_weights is None else recv_weights, recv_src, self.peers.bases, self.status,
-            x.shape[0], num_rows, topo.rank, expert_begin, max(experts_per_rank, 1), self.tail_word, self.head_word,
-            self.sent_word, self.recvd_word, self.ring_word, ring_words, slot_words, ring_slots, batch,
-            self.timeout_ns, C=C, CMAX=CMAX, R=R, XW=hidden_words, SW=scale_words, K=topk,
-            HAS_W=topk_weights is not None, ID_OFF=id_offset, BLOCK_X=_next_pow2(max(hidden_words, 1)),
-            BLOCK_S=_next_pow2(max(scale_words, 1)), BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R),
-            ROWS=_rows_per_step(hidden_words, DISPATCH_TILE), OWN_BY_SENDER=OWN_ROWS == "sender", num_warps=NUM_WARPS)
+        inputs = (words, dummy if scales is None else scales.view(torch.int32), dummy if topk_idx is None else topk_idx,
+                  dummy if topk_weights is None else topk_weights, is_token_in_rank.view(torch.int8), plan.before,
+                  plan.recv_count, plan.recv_base, plan.prefix)
+        outputs = (recv_x.view(torch.uint8).view(-1).view(torch.int32) if recv_x.numel() else dummy,
+                   dummy if recv_scales is None else recv_scales.view(torch.int32),
+                   dummy if recv_idx is None else recv_idx, dummy if recv_weights is None else recv_weights, recv_src,
+                   self.peers.bases, self.status, x.shape[0], num_rows, topo.rank, expert_begin,
+                   max(experts_per_rank, 1))
+        shapes = dict(R=R, XW=hidden_words, SW=scale_words, K=topk, HAS_W=topk_weights is not None, ID_OFF=id_offset,
+                      BLOCK_X=_next_pow2(max(hidden_words, 1)), BLOCK_S=_next_pow2(max(scale_words, 1)),
+                      BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R),
+                      ROWS=_rows_per_step(hidden_words, DISPATCH_TILE), num_warps=NUM_WARPS)
+        if self._fits_whole(plan.max_recv_rows, slot_words):
+            from .direct import direct_dispatch_kernel
+            direct_dispatch_kernel[(2 * C,)](*inputs, plan.push_row0, *outputs, self.arrive_word, self.ops_word,
+                                             self.done_word, self.ticket_word, self.ring_word, slot_words,
+                                             self.timeout_ns, C=C, AMAX=2 * CMAX, **shapes)
+        else:
+            dispatch_kernel[(2 * C,)](*inputs, *outputs, self.tail_word, self.head_word, self.sent_word,
+                                      self.recvd_word, self.ops_word, self.done_word, self.ticket_word, self.ring_word,
+                                      ring_words, slot_words, ring_slots, batch, self.timeout_ns, C=C, CMAX=CMAX,
+                                      OWN_BY_SENDER=OWN_ROWS == "sender", **shapes)
         return DispatchOutput(recv_x, recv_scales, recv_idx, recv_weights, None, recv_src)
 
     # ---- combine ---------------------------------------------------------------------------------------------
@@ -337,16 +365,26 @@ class NVLinkTransport(Transport):
                                                                          device=dev)
         dummy = plan.prefix
         bias0, bias1 = biases
-        combine_kernel[(2 * C,)](
-            x, dummy if topk_weights is None else topk_weights, in_rank.view(torch.int8), plan.before, plan.recv_count,
-            plan.recv_base, plan.prefix, dummy if bias0 is None else bias0, dummy if bias1 is None else bias1,
-            combined, dummy if combined_weights is None else combined_weights, self.peers.bases, self.status,
-            num_tokens, x.shape[0], topo.rank, self.tail_word, self.head_word, self.sent_word, self.recvd_word,
-            self.ring_word,
-            ring_words, slot_words, ring_slots, batch, self.timeout_ns, C=C, CMAX=CMAX, R=R, H=hidden, K=topk,
-            X_OFF=x_offset, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None, BLOCK_H=_next_pow2(hidden),
-            BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R), ROWS=_rows_per_step(hidden, COMBINE_TILE),
-            num_warps=NUM_WARPS)
+        weights = dummy if topk_weights is None else topk_weights
+        bias0, bias1 = dummy if bias0 is None else bias0, dummy if bias1 is None else bias1
+        outputs = (combined, dummy if combined_weights is None else combined_weights, self.peers.bases, self.status,
+                   num_tokens, x.shape[0], topo.rank)
+        shapes = dict(R=R, H=hidden, K=topk, X_OFF=x_offset, HAS_BIAS0=biases[0] is not None,
+                      HAS_BIAS1=biases[1] is not None, BLOCK_H=_next_pow2(hidden), BLOCK_K=_next_pow2(max(topk, 1)),
+                      BLOCK_R=_next_pow2(R), ROWS=_rows_per_step(hidden, COMBINE_TILE), num_warps=NUM_WARPS)
+        if self._fits_whole(plan.max_send_rows, slot_words):
+            from .direct import direct_combine_kernel
+            direct_combine_kernel[(2 * C,)](x, weights, in_rank.view(torch.int8), plan.before, plan.prefix,
+                                            plan.combine_row0, bias0, bias1, *outputs, self.arrive_word,
+                                            self.ops_word, self.done_word, self.ticket_word, self.ring_word,
+                                            slot_words, self.timeout_ns, AMAX=2 * CMAX,
+                                            BLOCK_P=_next_pow2(2 * C), **shapes)
+        else:
+            combine_kernel[(2 * C,)](x, weights, in_rank.view(torch.int8), plan.before, plan.recv_count,
+                                     plan.recv_base, plan.prefix, bias0, bias1, *outputs, self.tail_word,
+                                     self.head_word, self.sent_word, self.recvd_word, self.ops_word, self.done_word,
+                                     self.ticket_word, self.ring_word, ring_words, slot_words, ring_slots, batch,
+                                     self.timeout_ns, C=C, CMAX=CMAX, **shapes)
         return combined, combined_weights
 
     # ---- low latency (low_latency.py) ----------------------------------------------------------------------
@@ -390,15 +428,20 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 
 def plan_from_handle(handle, rank: int) -> _Plan:
-    """Where every row of a dispatch went, from its intranode handle alone (torch operations)."""
+    """Where every row of a dispatch went, from its intranode handle alone (torch operations, no host wait:
+    the largest shares stay unknown, so the rings serve it)."""
     rank_prefix_matrix, channel_prefix, recv_channel_prefix, _, in_rank, _ = handle
     num_ranks, num_channels = channel_prefix.shape
     prefix = torch.zeros(num_ranks + 1, dtype=torch.int32, device=in_rank.device)
     prefix[1:] = rank_prefix_matrix[:, rank]
     per_source = prefix[1:] - prefix[:-1]
     ends = torch.cat([recv_channel_prefix[:, 1:], per_source.view(num_ranks, 1)], dim=1)
+    counts = torch.diff(rank_prefix_matrix, dim=0, prepend=torch.zeros_like(rank_prefix_matrix[:1]))
+    push_row0 = (rank_prefix_matrix[rank - 1] if rank else torch.zeros_like(rank_prefix_matrix[0])).to(torch.int32)
+    combine_row0 = counts[:, :rank].sum(dim=1).to(torch.int32)
     return _Plan(_before(in_rank), (ends - recv_channel_prefix).to(torch.int32),
-                 (prefix[:num_ranks].view(num_ranks, 1) + recv_channel_prefix).to(torch.int32), prefix, num_channels)
+                 (prefix[:num_ranks].view(num_ranks, 1) + recv_channel_prefix).to(torch.int32), prefix, push_row0,
+                 combine_row0, num_channels, None, None)
 
 
 def _split(flat: torch.Tensor, shapes):

@@ -8,11 +8,12 @@ A slot holds one token: [payload words | scale words | pad | top-k ids int64 | w
 All counters only grow (they count rows since the Buffer was made), so nothing is ever reset.
 
 Protocol (channel q = tokens [q * ceil(T/C), ...)):
-  sender q of rank s: wait until every destination d took all rows of the previous operation out of the
-    ring (s, q) (HEAD[d][q] >= SENT[d][q]; a ring may change its slot size between operations). Then per
-    batch of tokens: wait until HEAD[d][q] leaves room for the batch's rows, store each token into every
-    peer d that receives it, at slot (row counter mod ring_slots) of ring (s, q) in d's buffer, and
-    publish TAIL[s][q] in every peer (release, after a system fence). The rank's own tokens go straight
+  every program first waits until every peer has read all earlier operations out of its buffer
+    (sync.begin_operation: rings may change slot size, and another protocol may have used the area), and
+    the last program to finish publishes that this rank has (sync.end_operation).
+  sender q of rank s: per batch of tokens: wait until HEAD[d][q] leaves room for the batch's rows, store
+    each token into every peer d that receives it, at slot (row counter mod ring_slots) of ring (s, q) in
+    d's buffer, and publish TAIL[s][q] in every peer (release, after a barrier). The rank's own tokens go straight
     to its outputs: from the sender (OWN_BY_SENDER) or from the receiver, so that senders only push over
     NVLink (which of the two is faster is measured by the benchmark; the setting picks one).
   receiver q of rank d: poll TAIL[s][q] of every source, copy the rows that arrived into the outputs
@@ -26,14 +27,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, channel_tokens, lane, peer_view, publish, report_timeout,
-                   row_pointers, wait_at_least)
+from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, begin_operation, channel_tokens, end_operation, lane, peer_view,
+                   publish, report_timeout, row_pointers, wait_at_least)
 
 OWN_STEP = tl.constexpr(4)   # tiles of own tokens a receiver copies between two looks at its rings
 
 
 @triton.jit
-def _store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr, out_scales_ptr, out_idx_ptr,
+def store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr, out_scales_ptr, out_idx_ptr,
                    out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, xo, so, ko, XW: tl.constexpr,
                    SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr):
     """Received rows (where `keep`) into the outputs: ids of other ranks' experts become -1, their weights 0."""
@@ -55,7 +56,7 @@ def _store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr, out_s
 
 
 @triton.jit
-def _load_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo, so, ko, XW: tl.constexpr,
+def load_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo, so, ko, XW: tl.constexpr,
                  SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr,
                  BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
     """A tile of this rank's tokens: payload words, scales, top-k ids and weights (zeros where absent)."""
@@ -75,10 +76,80 @@ def _load_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo, so, 
 
 
 @triton.jit
+def store_slots(slots, send, x, scales, ids, weights, tokens, xo, so, ko, XW: tl.constexpr, SW: tl.constexpr,
+                K: tl.constexpr, ID_OFF: tl.constexpr, BLOCK_X: tl.constexpr):
+    """Tokens into slots at byte addresses `slots` (where `send`): [payload | scales | pad | top-k ids int64 |
+    weights f32 | source token]."""
+    tl.store(row_pointers(slots, xo, tl.int32, BLOCK_X), x, mask=send[:, None] & (xo[None, :] < XW))
+    words = slots.to(tl.pointer_type(tl.int32))[:, None]
+    if SW > 0:
+        tl.store(words + XW + so[None, :], scales, mask=send[:, None] & (so[None, :] < SW))
+    if K > 0:
+        tl.store((words + ID_OFF).to(tl.pointer_type(tl.int64), bitcast=True) + ko[None, :], ids,
+                 mask=send[:, None] & (ko[None, :] < K))
+        tl.store((words + ID_OFF + 2 * K).to(tl.pointer_type(tl.float32), bitcast=True) + ko[None, :], weights,
+                 mask=send[:, None] & (ko[None, :] < K))
+    tl.store(slots.to(tl.pointer_type(tl.int32)) + ID_OFF + 3 * K, tokens, mask=send)
+
+
+@triton.jit
+def load_slots(slots, live, xo, so, ko, XW: tl.constexpr, SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr,
+               ID_OFF: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+               ROWS: tl.constexpr):
+    """What store_slots wrote (where `live`; zeros elsewhere), read past the L1 cache: peers wrote it."""
+    x = tl.load(row_pointers(slots, xo, tl.int32, BLOCK_X), mask=live[:, None] & (xo[None, :] < XW),
+                cache_modifier=".cg")
+    words = slots.to(tl.pointer_type(tl.int32))[:, None]
+    scales = tl.zeros([ROWS, BLOCK_S], tl.int32)
+    ids = tl.zeros([ROWS, BLOCK_K], tl.int64)
+    weights = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    if SW > 0:
+        scales = tl.load(words + XW + so[None, :], mask=live[:, None] & (so[None, :] < SW), cache_modifier=".cg")
+    if K > 0:
+        ids = tl.load((words + ID_OFF).to(tl.pointer_type(tl.int64), bitcast=True) + ko[None, :],
+                      mask=live[:, None] & (ko[None, :] < K), cache_modifier=".cg")
+        if HAS_W:
+            weights = tl.load((words + ID_OFF + 2 * K).to(tl.pointer_type(tl.float32), bitcast=True) + ko[None, :],
+                              mask=live[:, None] & (ko[None, :] < K), cache_modifier=".cg")
+    tokens = tl.load(slots.to(tl.pointer_type(tl.int32)) + ID_OFF + 3 * K, mask=live, cache_modifier=".cg")
+    return x, scales, ids, weights, tokens
+
+
+@triton.jit
+def push_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before_ptr, out_x_ptr,
+                out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, bases_ptr, regions, index0, modulo,
+                slot_words, self_row0, num_rows, rank, expert_begin, experts_per_rank, ro, xo, so, ko, R: tl.constexpr,
+                XW: tl.constexpr, SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, ID_OFF: tl.constexpr,
+                BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                OWN: tl.constexpr):
+    """A tile of this rank's tokens (where `live`) to every peer d that receives them, into slot
+    (index0[d] + position) % modulo of the slots at word regions[d] of d's buffer, position being the token's
+    place among this rank's tokens for d; with OWN, this rank's own ones into its outputs (row self_row0 +
+    position)."""
+    t64 = tokens.to(tl.int64)
+    x, scales, ids, weights = load_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo, so, ko, XW, SW,
+                                          K, HAS_W, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
+    for d in tl.static_range(R):
+        keep = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
+        position = tl.load(before_ptr + t64 * R + d, mask=live, other=0)
+        if d == rank:
+            if OWN:
+                rows = self_row0 + position
+                store_outputs(rows, keep & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
+                              out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
+                              experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
+        else:
+            index = (lane(index0, ro, d) + position) % modulo
+            slots = tl.load(bases_ptr + d) + 4 * (lane(regions, ro, d) + index * slot_words)
+            store_slots(slots, keep, x, scales, ids, weights, tokens, xo, so, ko, XW, SW, K, ID_OFF, BLOCK_X)
+
+
+@triton.jit
 def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, recv_base_ptr,
                     prefix_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, bases_ptr,
                     status_ptr, num_tokens, num_rows, rank, expert_begin, experts_per_rank, tail_word, head_word,
-                    sent_word, recvd_word, ring_word, ring_words, slot_words, ring_slots, batch, timeout_ns,
+                    sent_word, recvd_word, ops_word, done_word, ticket_word, ring_word, ring_words, slot_words,
+                    ring_slots, batch, timeout_ns,
                     C: tl.constexpr, CMAX: tl.constexpr, R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
                     K: tl.constexpr, HAS_W: tl.constexpr, ID_OFF: tl.constexpr, BLOCK_X: tl.constexpr,
                     BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
@@ -89,8 +160,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
     xo = tl.arange(0, BLOCK_X)
     so = tl.arange(0, BLOCK_S)
     ko = tl.arange(0, BLOCK_K)
-    W_OFF: tl.constexpr = ID_OFF + 2 * K
-    SRC_OFF: tl.constexpr = W_OFF + K
+    ops, ok = begin_operation(ctrl, ops_word, done_word, peers, ro, timeout_ns, status_ptr)
     if pid < C:
         # ---- sender of channel q ----------------------------------------------------------------------------
         q = pid
@@ -99,8 +169,8 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
         base = sent0 - tl.load(before_ptr + t0 * R + ro, mask=ro < R, other=0).to(tl.int64)
         head_ptrs = ctrl + head_word + ro * CMAX + q
         tail_ptrs = (peer_bases + (tail_word + rank * CMAX + q) * 8).to(tl.pointer_type(tl.int64))
-        ok = wait_at_least(head_ptrs, sent0, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
         self_row0 = tl.load(prefix_ptr + rank)
+        region = tl.full([BLOCK_R], ring_word, tl.int64) + (rank * C + q) * ring_words   # ring (rank, q) in every peer
         for tb in range(t0, t1, batch):
             te = tl.minimum(tb + batch, t1)
             upto = base + tl.load(before_ptr + te * R + ro, mask=ro < R, other=0).to(tl.int64)
@@ -108,37 +178,11 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                 ok = wait_at_least(head_ptrs, upto - ring_slots, peers, ro, timeout_ns, status_ptr, WAIT_SPACE)
             if ok:
                 for first_token in range(tb, te, ROWS):
-                    tokens = first_token + to
-                    live = tokens < te
-                    t64 = tokens.to(tl.int64)
-                    x, scales, ids, weights = _load_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo,
-                                                           so, ko, XW, SW, K, HAS_W, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
-                    for d in tl.static_range(R):
-                        if d == rank:
-                            if OWN_BY_SENDER:
-                                keep = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
-                                rows = self_row0 + tl.load(before_ptr + t64 * R + d, mask=live, other=0)
-                                _store_outputs(rows, keep & (rows < num_rows), x, scales, ids, weights, tokens,
-                                               out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
-                                               expert_begin, experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
-                        else:
-                            send = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
-                            position = tl.load(before_ptr + t64 * R + d, mask=live, other=0)
-                            index = (tl.load(ctrl + sent_word + d * CMAX + q) - tl.load(before_ptr + t0 * R + d)
-                                     + position)
-                            slots = (tl.load(bases_ptr + d) + 4 * (ring_word + (rank * C + q).to(tl.int64) * ring_words
-                                                                   + (index % ring_slots) * slot_words))
-                            tl.store(row_pointers(slots, xo, tl.int32, BLOCK_X), x,
-                                     mask=send[:, None] & (xo[None, :] < XW))
-                            words = slots.to(tl.pointer_type(tl.int32))[:, None]
-                            if SW > 0:
-                                tl.store(words + XW + so[None, :], scales, mask=send[:, None] & (so[None, :] < SW))
-                            if K > 0:
-                                tl.store((words + ID_OFF).to(tl.pointer_type(tl.int64), bitcast=True) + ko[None, :],
-                                         ids, mask=send[:, None] & (ko[None, :] < K))
-                                tl.store((words + W_OFF).to(tl.pointer_type(tl.float32), bitcast=True) + ko[None, :],
-                                         weights, mask=send[:, None] & (ko[None, :] < K))
-                            tl.store(slots.to(tl.pointer_type(tl.int32)) + SRC_OFF, tokens, mask=send)
+                    push_tokens(first_token + to, first_token + to < te, x_ptr, scales_ptr, idx_ptr, weights_ptr,
+                                in_rank_ptr, before_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr,
+                                out_src_ptr, bases_ptr, region, base, ring_slots, slot_words, self_row0, num_rows, rank,
+                                expert_begin, experts_per_rank, ro, xo, so, ko, R, XW, SW, K, HAS_W, ID_OFF, BLOCK_X,
+                                BLOCK_S, BLOCK_K, ROWS, OWN_BY_SENDER)
                 publish(tail_ptrs, upto, peers)
         done = base + tl.load(before_ptr + t1 * R + ro, mask=ro < R, other=0).to(tl.int64)
         tl.store(ctrl + sent_word + ro * CMAX + q, done, mask=peers)
@@ -152,7 +196,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
         head_ptrs = (peer_bases + (head_word + rank * CMAX + q) * 8).to(tl.pointer_type(tl.int64))
         taken = tl.zeros([BLOCK_R], tl.int64)
         remaining = tl.sum(count)
-        failed = remaining < 0
+        failed = (remaining < 0) | (ok == 0)
         # this rank's own tokens of channel q go straight to the outputs, copied while no ring has rows
         own_next, own_end = channel_tokens(q, num_tokens, C)
         if OWN_BY_SENDER:
@@ -174,28 +218,10 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                             index = first + i + to
                             live = i + to < n
                             slots = ring + 4 * (index % ring_slots) * slot_words
-                            x = tl.load(row_pointers(slots, xo, tl.int32, BLOCK_X),
-                                        mask=live[:, None] & (xo[None, :] < XW),
-                                        cache_modifier=".cg")
-                            words = slots.to(tl.pointer_type(tl.int32))[:, None]
-                            scales = tl.zeros([ROWS, BLOCK_S], tl.int32)
-                            ids = tl.zeros([ROWS, BLOCK_K], tl.int64)
-                            weights = tl.zeros([ROWS, BLOCK_K], tl.float32)
-                            if SW > 0:
-                                scales = tl.load(words + XW + so[None, :], mask=live[:, None] & (so[None, :] < SW),
-                                                 cache_modifier=".cg")
-                            if K > 0:
-                                ids = tl.load((words + ID_OFF).to(tl.pointer_type(tl.int64), bitcast=True)
-                                              + ko[None, :],
-                                              mask=live[:, None] & (ko[None, :] < K), cache_modifier=".cg")
-                                if HAS_W:
-                                    weights = tl.load((words + W_OFF).to(tl.pointer_type(tl.float32), bitcast=True)
-                                                      + ko[None, :], mask=live[:, None] & (ko[None, :] < K),
-                                                      cache_modifier=".cg")
-                            tokens = tl.load(slots.to(tl.pointer_type(tl.int32)) + SRC_OFF, mask=live,
-                                             cache_modifier=".cg")
+                            x, scales, ids, weights, tokens = load_slots(slots, live, xo, so, ko, XW, SW, K, HAS_W,
+                                                                         ID_OFF, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
                             rows = row0 + i + to
-                            _store_outputs(rows, live & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
+                            store_outputs(rows, live & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
                                            out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
                                            experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
                 taken += avail
@@ -208,10 +234,10 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                     live = tokens < own_end
                     t64 = tokens.to(tl.int64)
                     keep = live & (tl.load(in_rank_ptr + t64 * R + rank, mask=live, other=0) != 0)
-                    x, scales, ids, weights = _load_tokens(tokens, keep, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo,
+                    x, scales, ids, weights = load_tokens(tokens, keep, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo,
                                                            so, ko, XW, SW, K, HAS_W, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
                     rows = self_row0 + tl.load(before_ptr + t64 * R + rank, mask=live, other=0)
-                    _store_outputs(rows, keep & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
+                    store_outputs(rows, keep & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
                                    out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
                                    experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
                 own_next = tl.minimum(own_next + OWN_STEP * ROWS, own_end)
@@ -228,3 +254,4 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                 if HAS_W:
                     tl.store(out_weights_ptr + row64 * K + ko, tl.zeros([BLOCK_K], tl.float32), mask=ko < K)
             tl.store(out_src_ptr + row64, -1)
+    end_operation(ctrl, ops_word, done_word, ticket_word, peer_bases, rank, peers, ops)

@@ -5,7 +5,7 @@ belong to (is_token_in_rank) and adds its block's per-rank and per-expert counts
 entries land in the spare bin E; with more than HISTOGRAM_MAX experts, one atomic per selection) into
 SUMS, a persistent [R + E] int32 accumulator that is all zeros between calls, with relaxed atomics. Then
 each program takes a ticket from DONE (acq_rel, after a barrier over its atomics); the program with the
-last ticket swaps SUMS back to zeros, writes what it took into the outputs, and resets DONE to 0. So two
+last ticket resets DONE to 0, swaps SUMS back to zeros and writes what it took into the outputs. So two
 layout kernels of one Buffer must not run at once: they do not when its calls and graph replays are
 issued in order (as every call of a Buffer must be: they share its buffers). SUMS grows with E; a grown
 one replaces it for later calls while graphs captured with the old one keep it. Ids outside [-1, E) count
@@ -14,6 +14,8 @@ wait.
 """
 import triton
 import triton.language as tl
+
+from .sync import is_last_program
 
 HISTOGRAM_MAX = 2047   # most experts counted with a histogram (BLOCK_E = next power of two above E)
 COPY_BLOCK = 1024      # SUMS entries the last program moves at once
@@ -50,9 +52,7 @@ def layout_kernel(idx_ptr, sums_ptr, done_ptr, per_rank_ptr, per_expert_ptr, in_
     tl.store(in_rank_ptr + tokens.to(tl.int64)[:, None] * R + ro[None, :], hits.to(tl.int8), mask=in_range)
     tl.atomic_add(sums_ptr + ro, tl.sum(hits, axis=0), mask=ro < R, sem="relaxed")
     # the last program to finish moves the sums out (atomics read them where the others' atomics landed)
-    tl.debug_barrier()
-    ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(0) - 1:
+    if is_last_program(done_ptr):
         co = tl.arange(0, COPY)
         for start in range(0, num_experts + R, COPY):
             entries = start + co
@@ -60,4 +60,3 @@ def layout_kernel(idx_ptr, sums_ptr, done_ptr, per_rank_ptr, per_expert_ptr, in_
             sums = tl.atomic_xchg(sums_ptr + entries, 0, mask=inside, sem="relaxed")
             tl.store(per_rank_ptr + entries, sums, mask=entries < R)
             tl.store(per_expert_ptr + (entries - R), sums, mask=inside & (entries >= R))
-        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")

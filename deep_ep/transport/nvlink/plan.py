@@ -8,7 +8,8 @@ prepare_kernel (R + 1 programs), before the notify:
   program R: checks = (flags: 1 = an id of the last layouts out of range, 2 = an id of topk_idx out of
     range; smallest id; largest id; an offending layout id), and advances the notify epoch.
 plan_kernel (1 program), after the notify: from the received records, where every received row goes
-  (prefix, recv_count, recv_base), the handle's matrices, and the host payload.
+  (prefix, recv_count, recv_base), where this rank's rows go in the direct protocol, the handle's matrices,
+  and the host payload.
 """
 import triton
 import triton.language as tl
@@ -62,8 +63,8 @@ def prepare_kernel(in_rank_ptr, per_rank_ptr, idx_ptr, layout_bad_ptr, before_pt
 
 @triton.jit
 def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, recv_base_ptr, rank_prefix_ptr,
-                channel_prefix_ptr, recv_channel_prefix_ptr, payload_ptr, checks_ptr, rank, experts_per_rank,
-                expert_alignment, REC: tl.constexpr, R: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr,
+                channel_prefix_ptr, recv_channel_prefix_ptr, push_row0_ptr, combine_row0_ptr, payload_ptr, checks_ptr,
+                rank, experts_per_rank, expert_alignment, REC: tl.constexpr, R: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
     """Record of source s (received[s]): [signature | flags | tokens per destination (R) | its tokens per
     expert of this rank (E_loc) | its tokens for this rank per channel (C)]."""
@@ -77,6 +78,10 @@ def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, re
     rank_prefix = tl.cumsum(sent, axis=0)
     tl.store(rank_prefix_ptr + rs[:, None] * R + rd[None, :], rank_prefix, mask=rmask[:, None] & (rd[None, :] < R))
     mine = tl.sum(tl.where(rd[None, :] == rank, sent, 0), axis=1)          # [R] rows from each source
+    # the direct protocol (direct.py): this rank's first row in each destination's outputs, and its first
+    # slot in each source's combine area (after the rows that source sent to ranks before this one)
+    tl.store(push_row0_ptr + rd, tl.sum(tl.where(rs[:, None] < rank, sent, 0), axis=0), mask=rd < R)
+    tl.store(combine_row0_ptr + rs, tl.sum(tl.where(rd[None, :] < rank, sent, 0), axis=1), mask=rmask)
     inclusive = tl.cumsum(mine, axis=0)
     tl.store(prefix_ptr + 1 + rs, inclusive, mask=rmask)
     tl.store(prefix_ptr, 0)
@@ -91,7 +96,8 @@ def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, re
     # this rank's channel_prefix_matrix [destination, channel], inclusive
     own = tl.load(channel_counts_ptr + rs[:, None] * C + qs[None, :], mask=cmask, other=0)
     tl.store(channel_prefix_ptr + rs[:, None] * C + qs[None, :], tl.cumsum(own, axis=1), mask=cmask)
-    # host payload (int64): [rows received | per local expert, aligned | signatures (R) | flags (R) | checks (4)]
+    # host payload (int64): [rows received | per local expert, aligned | signatures (R) | flags (R) | checks (4) |
+    # most rows any rank receives | most rows any rank sends]
     emask = es < experts_per_rank
     per_expert = tl.sum(tl.load(received_ptr + rs[:, None] * REC + 2 + R + es[None, :],
                                 mask=rmask[:, None] & emask[None, :],
@@ -106,3 +112,5 @@ def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, re
     tl.store(tail + R + rs, flags.to(tl.int64), mask=rmask)
     four = tl.arange(0, 4)
     tl.store(tail + 2 * R + four, tl.load(checks_ptr + four))
+    tl.store(tail + 2 * R + 4, tl.max(tl.sum(sent, axis=0), axis=0).to(tl.int64))
+    tl.store(tail + 2 * R + 5, tl.max(tl.sum(sent, axis=1), axis=0).to(tl.int64))

@@ -16,8 +16,10 @@ WAIT_SPACE = tl.constexpr(3)
 STATUS_WHAT = {1: "its dispatch counts (notify)", 2: "its rows",
                3: "it to read the rows already in its receive ring (ring slots to free up)",
                4: "its low-latency dispatch rows", 5: "its low-latency combine rows",
-               6: "it to finish receiving the previous low-latency call on the same buffer half"}
+               6: "it to finish receiving the previous low-latency call on the same buffer half",
+               7: "it to finish reading the previous operation out of its buffer"}
 WAIT_LL_FREE = tl.constexpr(6)
+WAIT_FREE = tl.constexpr(7)
 NO_PEER = tl.constexpr(1 << 30)
 
 
@@ -169,11 +171,42 @@ def wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, s
 
 
 @triton.jit
+def is_last_program(ticket_ptr):
+    """Take a ticket (after a barrier over this program's accesses; acq_rel): True in the last program of the
+    grid to get here, which then sees every other program's accesses and has reset the ticket counter to 0
+    for the next kernel. Two kernels sharing a counter must not run at once."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    last = ticket == tl.num_programs(0) - 1
+    if last:
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
 def finish_receive(finished_ptr, received_ptr, received):
     """The last program of a low-latency receive kernel to get here publishes RECEIVED = received + 1
-    (release: every program's reads of the half came first) and resets the local count of finished programs."""
-    tl.debug_barrier()
-    finished = tl.atomic_add(finished_ptr, 1, sem="acq_rel", scope="gpu")
-    if finished == tl.num_programs(0) - 1:
-        tl.store(finished_ptr, 0)
+    (release: every program's reads of the half came first)."""
+    if is_last_program(finished_ptr):
         tl.atomic_xchg(received_ptr, received + 1, sem="release", scope="sys")
+
+
+@triton.jit
+def begin_operation(ctrl, ops_word, done_word, peers, lanes, timeout_ns, status_ptr):
+    """Before a normal-mode kernel stores into any peer's buffer: wait until every peer has finished reading
+    all earlier operations (DONE[peer] >= OPS; the previous kernel on each rank may have used another
+    protocol or row layout). Returns (OPS, ok), after a barrier (every thread's stores follow the wait)."""
+    ops = tl.load(ctrl + ops_word)
+    ok = wait_at_least(ctrl + done_word + lanes, ops, peers, lanes, timeout_ns, status_ptr, WAIT_FREE)
+    tl.debug_barrier()
+    return ops, ok
+
+
+@triton.jit
+def end_operation(ctrl, ops_word, done_word, ticket_word, peer_bases, rank, peers, ops):
+    """The end of every program of a normal-mode kernel: the last one sets OPS = ops + 1 and publishes
+    DONE[rank] = ops + 1 in every peer's buffer (release: every program's reads of this buffer came first)."""
+    if is_last_program(ctrl + ticket_word):
+        tl.store(ctrl + ops_word, ops + 1)
+        tl.atomic_xchg((peer_bases + (done_word + rank) * 8).to(tl.pointer_type(tl.int64)), ops + 1, mask=peers,
+                       sem="release", scope="sys")
