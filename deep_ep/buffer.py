@@ -44,7 +44,11 @@ class Buffer:
         """
         Args:
             group: the communication group (NCCL, gloo or mixed); its rank order is the EP rank order.
-            num_nvl_bytes: bytes of the buffer shared with the ranks of the same node (normal mode).
+            num_nvl_bytes: bytes of the buffer shared with the ranks of the same node (normal mode). On the
+                NVLink transport, a buffer that holds every row a rank receives in one dispatch (about ranks x
+                tokens per rank x (row bytes + scale bytes + 12 x top-k + 16)) lets dispatch and combine move
+                all rows at once (the fastest path); a smaller one (at least one row per channel and rank)
+                streams them in rounds.
             num_rdma_bytes: bytes of the buffer used by the low-latency mode (and internode normal mode).
             low_latency_mode: enable `low_latency_dispatch` / `low_latency_combine`.
             num_qps_per_rank: RDMA queue pairs per peer in DeepEP; accepted as a hint (must be > 0).

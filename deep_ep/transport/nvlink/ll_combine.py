@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .sync import (claim_arrival, finish_receive, open_ranks, report_bad_ids, row_pointers, wait_for_senders,
-                   wait_half_free)
+from .sync import begin_send, claim_arrival, finish_receive, report_bad_ids, row_pointers, wait_for_senders
 
 WAIT_LL_COMBINE = tl.constexpr(5)
 LOGFMT_CODES = tl.constexpr(510)
@@ -75,14 +74,12 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, e
     eo = tl.arange(0, BLOCK_E)
     ho = tl.arange(0, BLOCK_H)
     po = tl.arange(0, ROWS)
-    rank_open = open_ranks(mask_ptr, ro, R, HAS_MASK)
     RN = R * num_max_tokens
     ranges = tl.load(layout_ptr + eo[:, None] * R + ro[None, :],
                      mask=(eo[:, None] < experts_per_rank) & (ro[None, :] < R), other=0)
     per_expert = tl.sum((ranges & 0xFFFFFFFF).to(tl.int32), axis=1)
     ends = tl.cumsum(per_expert, axis=0)          # rows of experts 0..e, all experts laid end to end
-    # a rank that stopped receiving: send nothing (the host reports the timeout)
-    free = wait_half_free(bases_ptr, rank, received_offset, rank_open, ro, timeout_ns, status_ptr)
+    rank_open, free = begin_send(bases_ptr, mask_ptr, rank, received_offset, ro, timeout_ns, status_ptr, R, HAS_MASK)
     total = tl.where(free, tl.sum(per_expert), 0)
     for g0 in range(pid * ROWS, total, num_senders * ROWS):
         g = g0 + po

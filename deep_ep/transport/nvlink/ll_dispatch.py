@@ -26,8 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .sync import (claim_arrival, finish_receive, open_ranks, report_bad_ids, row_pointer, wait_for_senders,
-                   wait_half_free)
+from .sync import begin_send, claim_arrival, finish_receive, report_bad_ids, row_pointer, wait_for_senders
 
 FP8_MAX = tl.constexpr(448.0)
 WAIT_LL_DISPATCH = tl.constexpr(4)
@@ -74,9 +73,7 @@ def _send(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num
     ro = tl.arange(0, BLOCK_R)
     ho = tl.arange(0, BLOCK_H)
     so = tl.arange(0, BLOCK_G)
-    rank_open = open_ranks(mask_ptr, ro, R, HAS_MASK)
-    # a rank that stopped receiving: send nothing (the host reports the timeout)
-    free = wait_half_free(bases_ptr, rank, received_offset, rank_open, ro, timeout_ns, status_ptr)
+    rank_open, free = begin_send(bases_ptr, mask_ptr, rank, received_offset, ro, timeout_ns, status_ptr, R, HAS_MASK)
     for t in range(pid, tl.where(free, num_tokens, 0), num_senders):
         ids = tl.load(idx_ptr + t.to(tl.int64) * K + ko, mask=ko < K, other=-1)
         in_range = (ids >= 0) & (ids < num_experts)

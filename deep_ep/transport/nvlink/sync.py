@@ -158,6 +158,16 @@ def claim_arrival(bases_ptr, lanes, ranks, arrived_offset, rank):
 
 
 @triton.jit
+def begin_send(bases_ptr, mask_ptr, rank, received_offset, lanes, timeout_ns, status_ptr, R: tl.constexpr,
+               HAS_MASK: tl.constexpr):
+    """The start of a low-latency send program (the twin of wait_for_senders): the ranks it exchanges with,
+    and whether all of them have freed the buffer half (wait_half_free); if not, it sends nothing and the
+    host reports the timeout. Returns (open ranks, ok)."""
+    ranks = open_ranks(mask_ptr, lanes, R, HAS_MASK)
+    return ranks, wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, status_ptr)
+
+
+@triton.jit
 def wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, status_ptr):
     """Before a low-latency send into a buffer half: wait until every rank in `ranks` has received as many
     calls on this half as this rank has (RECEIVED at `received_offset` of each buffer), so nothing it has not
