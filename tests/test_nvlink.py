@@ -148,6 +148,50 @@ def test_nvlink_matches_model(pool, world_size):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Ranks agree on the protocol (direct or rings) when only some pass num_worst_tokens or rebuild a handle
+# ---------------------------------------------------------------------------------------------------
+def run_protocol_agreement(ctx, seed: int, transport: str = "nvlink") -> List[str]:
+    from deep_ep import Buffer, Config
+    errors: List[str] = []
+    shape = dict(name="agreement", tokens=[300, 211, 97, 0][:ctx.world_size], hidden=1024, topk=8, experts=32)
+    config = Config(8, 4, 256)
+    fast = Buffer(ctx.group, 1 << 28, 0, transport=transport, explicitly_destroy=True, timeout_s=60)
+    ref = Buffer(ctx.group, 1 << 28, 0, transport="reference", explicitly_destroy=True, timeout_s=60)
+    x, _, idx, weights, _ = _inputs(seed, shape, ctx.rank, ctx.device)
+    per_rank, _, per_expert, in_rank = ref.get_dispatch_layout(idx, shape["experts"])[:4]
+    kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=weights, config=config)
+    worst = sum(shape["tokens"]) if ctx.rank == 0 else 0   # only rank 0 skips the count wait
+    outs = {}
+    for label, b in (("fast", fast), ("ref", ref)):
+        mixed = b.dispatch(x, num_worst_tokens=worst, **kwargs)
+        mixed_combined = b.combine(mixed[0], mixed[4], topk_weights=mixed[2], config=config)[0]
+        plain = b.dispatch(x, **kwargs)
+        handle = plain[4]
+        if ctx.rank == 0:   # a handle rebuilt from copies of its tensors: its plan is derived afresh
+            handle = tuple(t.clone() for t in handle)
+        cached = b.dispatch(x, handle=handle, config=config)[0]
+        combined = b.combine(plain[0], handle, topk_weights=plain[2], config=config)[0]
+        outs[label] = (mixed, mixed_combined, cached, combined)
+    (mixed, mixed_combined, cached, combined), (rmixed, rmixed_combined, rcached, rcombined) = outs["fast"], outs["ref"]
+    name = f"rank {ctx.rank}"
+    _same(errors, f"{name} mixed num_worst_tokens recv_x", mixed[0], rmixed[0], rows=rcached.shape[0])
+    _same(errors, f"{name} mixed num_worst_tokens recv_topk_idx", mixed[1], rmixed[1])
+    _same(errors, f"{name} mixed num_worst_tokens combine", mixed_combined, rmixed_combined)
+    _same(errors, f"{name} rebuilt handle cached recv_x", cached, rcached)
+    _same(errors, f"{name} rebuilt handle combine", combined, rcombined)
+    fast.destroy()
+    ref.destroy()
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_nvlink_ranks_agree_on_protocol(pool, world_size):
+    seed = base_seed()
+    _report(seed, lambda: pool(world_size).run(run_protocol_agreement, seed))
+
+
+# ---------------------------------------------------------------------------------------------------
 # "auto" picks the NVLink transport on the GPU machine
 # ---------------------------------------------------------------------------------------------------
 def run_auto(ctx) -> str:

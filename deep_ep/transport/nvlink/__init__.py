@@ -4,11 +4,11 @@
   non-cached dispatch: notify kernel (counts to every rank) -> counts to the host (the API's receive-count
     wait; skipped with num_worst_tokens) -> streaming dispatch kernel;
   cached dispatch, combine: the streaming kernel alone, with the routing kept from the handle.
-When the largest share any rank receives (dispatch) or sends back (combine) fits its buffer whole, one
-kernel pushes every row straight to its final slot with all programs (direct.py); otherwise the rows
+When the largest share any rank receives (dispatch) or sent in the dispatch (combine) fits its buffer
+whole, one kernel pushes every row straight to its final slot with all programs (direct.py); otherwise the rows
 stream through per-(source, channel) rings with flow control (dispatch.py, combine.py), so any buffer
 that holds one row per ring works. The direct protocol needs the counts the non-cached dispatch waits
-for; a num_worst_tokens dispatch and its handle use the rings. Nothing else waits on the host.
+for; a num_worst_tokens dispatch on any rank, and its handle, use the rings. Nothing else waits on the host.
 Low-latency calls run on a second peer-mapped area (low_latency.py). An operation whose buffer size is 0
 goes to the reference transport.
 
@@ -173,7 +173,11 @@ class NVLinkTransport(Transport):
     def _fits_whole(self, most_rows: Optional[int], slot_words: int) -> bool:
         """Whether the direct protocol serves an operation: its largest per-rank share (the same on every rank)
         is known and fits the rows area whole."""
-        return DIRECT and most_rows is not None and most_rows * slot_words <= self.total_words - self.ring_word
+        return DIRECT and most_rows is not None and most_rows <= self._capacity(slot_words)
+
+    def _capacity(self, slot_words: int) -> int:
+        """Slots of `slot_words` words in the rows area."""
+        return (self.total_words - self.ring_word) // slot_words
 
     def _remember(self, rows: torch.Tensor, plan: _Plan) -> None:
         key = id(rows)
@@ -181,10 +185,14 @@ class NVLinkTransport(Transport):
         weakref.finalize(rows, self._plans.pop, key, None)
 
     def _plan(self, handle) -> _Plan:
-        """The plan of a handle: kept from its dispatch, else rebuilt from the handle's tensors."""
+        """The plan of a handle: kept from its dispatch, else rebuilt from the handle's tensors (with one host
+        wait for the largest shares, so that this rank picks the protocol its peers pick with the original
+        handle; inside a CUDA-graph capture, which cannot wait, a rebuilt plan uses the rings)."""
         plan = self._plans.get(id(handle[3]))
         if plan is None:
             plan = plan_from_handle(handle, self.topology.rank)
+            if not torch.cuda.is_current_stream_capturing():
+                plan = plan._replace(**largest_shares(handle[0]))
             self._remember(handle[3], plan)
         return plan
 
@@ -232,7 +240,8 @@ class NVLinkTransport(Transport):
         ids = torch.zeros(1, dtype=torch.int64, device=dev) if topk_idx is None else topk_idx
         prepare_kernel[(R + 1,)](in_rank, num_tokens_per_rank, ids, self.layout_bad, before, send_head, channel_counts,
                                  mismatch, checks, self.epoch, num_tokens, 0 if topk_idx is None else topk_idx.numel(),
-                                 num_experts, C, R=R, BLOCK=1024, BLOCK_C=_next_pow2(C), num_warps=4)
+                                 num_experts, C, 1 if num_worst_tokens else 0, R=R, BLOCK=1024,
+                                 BLOCK_C=_next_pow2(C), num_warps=4)
         record_len = 2 + R + experts_per_rank + C
         received = torch.empty((R, record_len), dtype=torch.int32, device=dev)
         notify_kernel[(R,)](before[num_tokens], num_tokens_per_expert, channel_counts, mismatch, checks, signature,
@@ -284,10 +293,12 @@ class NVLinkTransport(Transport):
         if flags[rank] & 4:
             raise ValueError("num_tokens_per_rank must equal the column sums of is_token_in_rank "
                              "(pass the outputs of one get_dispatch_layout call)")
-        failed = [r for r, f in enumerate(flags) if f]
+        failed = [r for r, f in enumerate(flags) if f & 7]
         if failed:
             raise ValueError(f"dispatch: rank(s) {failed} passed invalid inputs (see the errors there); no rank "
                              "sent anything")
+        if any(f & 8 for f in flags):   # a rank that does not wait cannot know the shares: all use the rings
+            return num_recv, aligned, (None, None)
         return num_recv, aligned, (max_recv_rows, max_send_rows)
 
     def cached_dispatch(self, x, x_scales, handle, num_channels):
@@ -339,7 +350,7 @@ class NVLinkTransport(Transport):
             from .direct import direct_dispatch_kernel
             direct_dispatch_kernel[(2 * C,)](*inputs, plan.push_row0, *outputs, self.arrive_word, self.ops_word,
                                              self.done_word, self.ticket_word, self.ring_word, slot_words,
-                                             self.timeout_ns, C=C, AMAX=2 * CMAX, **shapes)
+                                             self._capacity(slot_words), self.timeout_ns, C=C, AMAX=2 * CMAX, **shapes)
         else:
             dispatch_kernel[(2 * C,)](*inputs, *outputs, self.tail_word, self.head_word, self.sent_word,
                                       self.recvd_word, self.ops_word, self.done_word, self.ticket_word, self.ring_word,
@@ -377,7 +388,7 @@ class NVLinkTransport(Transport):
             direct_combine_kernel[(2 * C,)](x, weights, in_rank.view(torch.int8), plan.before, plan.prefix,
                                             plan.combine_row0, bias0, bias1, *outputs, self.arrive_word,
                                             self.ops_word, self.done_word, self.ticket_word, self.ring_word,
-                                            slot_words, self.timeout_ns, AMAX=2 * CMAX,
+                                            slot_words, self._capacity(slot_words), self.timeout_ns, AMAX=2 * CMAX,
                                             BLOCK_P=_next_pow2(2 * C), **shapes)
         else:
             combine_kernel[(2 * C,)](x, weights, in_rank.view(torch.int8), plan.before, plan.recv_count,
@@ -429,19 +440,32 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 def plan_from_handle(handle, rank: int) -> _Plan:
     """Where every row of a dispatch went, from its intranode handle alone (torch operations, no host wait:
-    the largest shares stay unknown, so the rings serve it)."""
+    the largest shares stay unknown)."""
     rank_prefix_matrix, channel_prefix, recv_channel_prefix, _, in_rank, _ = handle
     num_ranks, num_channels = channel_prefix.shape
     prefix = torch.zeros(num_ranks + 1, dtype=torch.int32, device=in_rank.device)
     prefix[1:] = rank_prefix_matrix[:, rank]
     per_source = prefix[1:] - prefix[:-1]
     ends = torch.cat([recv_channel_prefix[:, 1:], per_source.view(num_ranks, 1)], dim=1)
-    counts = torch.diff(rank_prefix_matrix, dim=0, prepend=torch.zeros_like(rank_prefix_matrix[:1]))
+    counts = _send_counts(rank_prefix_matrix)
     push_row0 = (rank_prefix_matrix[rank - 1] if rank else torch.zeros_like(rank_prefix_matrix[0])).to(torch.int32)
     combine_row0 = counts[:, :rank].sum(dim=1).to(torch.int32)
     return _Plan(_before(in_rank), (ends - recv_channel_prefix).to(torch.int32),
                  (prefix[:num_ranks].view(num_ranks, 1) + recv_channel_prefix).to(torch.int32), prefix, push_row0,
                  combine_row0, num_channels, None, None)
+
+
+def _send_counts(rank_prefix_matrix: torch.Tensor) -> torch.Tensor:
+    """[R, R]: rows source s sends to destination d (the matrix is their running sum over sources)."""
+    return torch.diff(rank_prefix_matrix, dim=0, prepend=torch.zeros_like(rank_prefix_matrix[:1]))
+
+
+def largest_shares(rank_prefix_matrix: torch.Tensor) -> Dict[str, int]:
+    """The most rows any rank receives and the most any rank sends in a dispatch, from its rank_prefix_matrix
+    (one host wait)."""
+    counts = _send_counts(rank_prefix_matrix)
+    most = torch.stack([rank_prefix_matrix[-1].max(), counts.sum(dim=1).max()]).tolist()
+    return dict(max_recv_rows=int(most[0]), max_send_rows=int(most[1]))
 
 
 def _split(flat: torch.Tensor, shapes):

@@ -3,7 +3,9 @@ programs push rows straight to their final slot in the peer's buffer, with no fl
 or reduce what they received. The transport picks it when the largest per-rank total fits (it knows the
 counts from the dispatch's host wait); the rings (dispatch.py, combine.py) serve the rest.
 
-Buffers (per rank): slots in the area the rings otherwise use (slot formats of dispatch.py and combine.py);
+Buffers (per rank): `capacity` slots in the area the rings otherwise use (slot formats of dispatch.py and
+combine.py; slot numbers are taken modulo `capacity`, which the host's choice makes a no-op, so that inputs
+changed against the handle can garble rows but never write outside the buffer);
 counters ARRIVE[source][program]: the operation number + 1 up to which that program of that source has
 pushed its rows here. Every program first waits until every peer has read all earlier operations out of
 its buffer, and the last to finish publishes that this rank has (sync.begin_operation / end_operation), so
@@ -23,6 +25,9 @@ Combine (2C programs):
   reduce: wait for ARRIVE[d][*] of every peer d (any of its programs may hold rows of any token), then
     combine tokens [p * ceil(T / 2C), ...) as combine.py does, the row from d being in slot
     (tokens this rank sent to ranks before d) + position.
+Each program waits for programs of its peers' kernels, so every rank's 2C programs must be able to run at
+once (as with the rings): always so with one rank per GPU; with several ranks sharing a GPU, keep their
+programs within what it holds.
 """
 import triton
 import triton.language as tl
@@ -32,15 +37,13 @@ from .dispatch import load_slots, push_tokens, store_outputs
 from .sync import (WAIT_ROWS, begin_operation, channel_tokens, end_operation, lane, peer_view, publish,
                    wait_at_least)
 
-NO_WRAP = tl.constexpr(1 << 62)   # slot numbers never wrap around (modulo for the shared helpers)
-
 
 @triton.jit
 def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr,
                            recv_base_ptr, prefix_ptr, push_row0_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr,
                            out_weights_ptr, out_src_ptr, bases_ptr, status_ptr, num_tokens, num_rows, rank,
                            expert_begin, experts_per_rank, arrive_word, ops_word, done_word, ticket_word, slot_word,
-                           slot_words, timeout_ns, C: tl.constexpr, AMAX: tl.constexpr, R: tl.constexpr,
+                           slot_words, capacity, timeout_ns, C: tl.constexpr, AMAX: tl.constexpr, R: tl.constexpr,
                            XW: tl.constexpr, SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr,
                            ID_OFF: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
@@ -65,7 +68,7 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
         for first_token in range(first, end, ROWS):
             push_tokens(first_token + to, first_token + to < end, x_ptr, scales_ptr, idx_ptr, weights_ptr,
                         in_rank_ptr, before_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
-                        bases_ptr, regions, push_row0, NO_WRAP, slot_words, self_row0, num_rows, rank, expert_begin,
+                        bases_ptr, regions, push_row0, capacity, slot_words, self_row0, num_rows, rank, expert_begin,
                         experts_per_rank, ro, xo, so, ko, R, XW, SW, K, HAS_W, ID_OFF, BLOCK_X, BLOCK_S, BLOCK_K,
                         ROWS, True)
         publish((peer_bases + (arrive_word + rank * AMAX + pid) * 8).to(tl.pointer_type(tl.int64)), ops + 1, peers)
@@ -88,7 +91,7 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
                 for row in range(first_row, end_row, ROWS):
                     rows = row + to
                     live = rows < end_row
-                    slots = own + 4 * (slot_word + rows.to(tl.int64) * slot_words)
+                    slots = own + 4 * (slot_word + (rows % capacity).to(tl.int64) * slot_words)
                     x, scales, ids, weights, tokens = load_slots(slots, live, xo, so, ko, XW, SW, K, HAS_W, ID_OFF,
                                                                  BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
                     store_outputs(rows, live, x, scales, ids, weights, tokens, out_x_ptr, out_scales_ptr, out_idx_ptr,
@@ -100,7 +103,7 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
 @triton.jit
 def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, prefix_ptr, combine_row0_ptr, bias0_ptr,
                           bias1_ptr, out_ptr, out_weights_ptr, bases_ptr, status_ptr, num_tokens, num_rows, rank,
-                          arrive_word, ops_word, done_word, ticket_word, slot_word, slot_words, timeout_ns,
+                          arrive_word, ops_word, done_word, ticket_word, slot_word, slot_words, capacity, timeout_ns,
                           AMAX: tl.constexpr, R: tl.constexpr, H: tl.constexpr, K: tl.constexpr, X_OFF: tl.constexpr,
                           HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, BLOCK_H: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROWS: tl.constexpr):
@@ -134,7 +137,8 @@ def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, prefix_pt
                               other=0.0)
             slot = (tl.load(combine_row0_ptr + source, mask=live, other=0)
                     + rows - tl.load(prefix_ptr + source, mask=live, other=0))
-            slots = tl.load(bases_ptr + source, mask=live, other=0) + 4 * (slot_word + slot.to(tl.int64) * slot_words)
+            slots = (tl.load(bases_ptr + source, mask=live, other=0)
+                     + 4 * (slot_word + (slot % capacity).to(tl.int64) * slot_words))
             store_combine_slots(slots, live, tile, weights, ho, ko, H, K, X_OFF, BLOCK_H)
         publish((peer_bases + (arrive_word + rank * AMAX + pid) * 8).to(tl.pointer_type(tl.int64)), ops + 1, peers)
     # ---- reduce: wait for every program of every peer --------------------------------------------------------
@@ -154,7 +158,7 @@ def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, prefix_pt
         t0, t1 = channel_tokens(pid, num_tokens, programs)
         for first_token in range(t0, t1, ROWS):
             reduce_tokens(first_token + to, first_token + to < t1, x_ptr, weights_ptr, in_rank_ptr, before_ptr,
-                          bias0_ptr, bias1_ptr, out_ptr, out_weights_ptr, own, regions, slot_of, NO_WRAP, slot_words,
+                          bias0_ptr, bias1_ptr, out_ptr, out_weights_ptr, own, regions, slot_of, capacity, slot_words,
                           self_row0, num_rows, rank, ro, ho, ko, R, H, K, X_OFF, HAS_BIAS0, HAS_BIAS1, BLOCK_H,
                           BLOCK_K, ROWS)
     end_operation(ctrl, ops_word, done_word, ticket_word, peer_bases, rank, peers, ops)

@@ -5,7 +5,7 @@ Buffers (per rank): counters TAIL[src][ch] (rows the source has put into its rin
 (rows the destination has taken out of this rank's ring there), and this rank's own SENT[dst][ch] and
 RECVD[src][ch] at the end of the last operation; rings of `ring_slots` slots, one per (source, channel).
 A slot holds one token: [payload words | scale words | pad | top-k ids int64 | weights f32 | source token].
-All counters only grow (they count rows since the Buffer was made), so nothing is ever reset.
+These counters only grow (they count rows since the Buffer was made), so they are never reset.
 
 Protocol (channel q = tokens [q * ceil(T/C), ...)):
   every program first waits until every peer has read all earlier operations out of its buffer
@@ -170,7 +170,8 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
         head_ptrs = ctrl + head_word + ro * CMAX + q
         tail_ptrs = (peer_bases + (tail_word + rank * CMAX + q) * 8).to(tl.pointer_type(tl.int64))
         self_row0 = tl.load(prefix_ptr + rank)
-        region = tl.full([BLOCK_R], ring_word, tl.int64) + (rank * C + q) * ring_words   # ring (rank, q) in every peer
+        # ring (rank, q), in every peer
+        region = tl.full([BLOCK_R], ring_word, tl.int64) + (rank * C + q).to(tl.int64) * ring_words
         for tb in range(t0, t1, batch):
             te = tl.minimum(tb + batch, t1)
             upto = base + tl.load(before_ptr + te * R + ro, mask=ro < R, other=0).to(tl.int64)

@@ -6,7 +6,7 @@ prepare_kernel (R + 1 programs), before the notify:
     send_head[t, d] = before[t, d] or -1, channel_counts[d, q], and mismatch[d] = 1 when
     num_tokens_per_rank[d] is not the column sum;
   program R: checks = (flags: 1 = an id of the last layouts out of range, 2 = an id of topk_idx out of
-    range; smallest id; largest id; an offending layout id), and advances the notify epoch.
+    range, 8 = this rank does not wait for the counts (num_worst_tokens); smallest id; largest id; an offending layout id), and advances the notify epoch.
 plan_kernel (1 program), after the notify: from the received records, where every received row goes
   (prefix, recv_count, recv_base), where this rank's rows go in the direct protocol, the handle's matrices,
   and the host payload.
@@ -18,7 +18,7 @@ import triton.language as tl
 @triton.jit
 def prepare_kernel(in_rank_ptr, per_rank_ptr, idx_ptr, layout_bad_ptr, before_ptr, send_head_ptr,
                    channel_counts_ptr, mismatch_ptr, checks_ptr, epoch_ptr, num_tokens, num_ids, num_experts, C,
-                   R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+                   no_wait, R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
     d = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     if d < R:
@@ -53,7 +53,8 @@ def prepare_kernel(in_rank_ptr, per_rank_ptr, idx_ptr, layout_bad_ptr, before_pt
             low = tl.minimum(low, tl.min(tl.where(i < num_ids, ids, 1 << 62), axis=0))
             high = tl.maximum(high, tl.max(tl.where(i < num_ids, ids, -(1 << 62)), axis=0))
         layout_bad = tl.load(layout_bad_ptr)
-        flags = (layout_bad > 0).to(tl.int64) + 2 * ((low < -1) | (high >= num_experts)).to(tl.int64)
+        flags = ((layout_bad > 0).to(tl.int64) + 2 * ((low < -1) | (high >= num_experts)).to(tl.int64)
+                 + 8 * no_wait)
         tl.store(checks_ptr, flags)
         tl.store(checks_ptr + 1, low)
         tl.store(checks_ptr + 2, high)
