@@ -49,8 +49,9 @@ class Buffer:
                 every row any rank receives (rows x (row bytes + scale bytes + 12 x top-k + 16)), and a
                 combine when it holds every row any rank sent (rows x (2 x hidden + 4 x top-k + 16)); at most
                 ranks x tokens per rank rows each: 8 ranks x 4096 tokens of hidden 7168 need at most 0.48 GB
-                (the 1 GiB that vLLM passes is enough). A smaller buffer (at least one row per channel and rank) streams the rows
-                in rounds, as does every dispatch with num_worst_tokens (and its combine).
+                (the 1 GiB that vLLM passes is enough). A smaller buffer (at least one row per channel and
+                rank) streams the rows in rounds, as does every dispatch with num_worst_tokens (and its
+                combine).
             num_rdma_bytes: bytes of the buffer used by the low-latency mode (and internode normal mode).
             low_latency_mode: enable `low_latency_dispatch` / `low_latency_combine`.
             num_qps_per_rank: RDMA queue pairs per peer in DeepEP; accepted as a hint (must be > 0).

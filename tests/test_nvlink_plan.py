@@ -1,5 +1,5 @@
 """The NVLink transport's bookkeeping that needs no GPU: rebuilding where every row went from a handle
-(the path a handle of another Buffer takes), against the independent model."""
+(the path a copied handle takes), against the independent model."""
 import pytest
 import torch
 
@@ -20,10 +20,13 @@ def test_plan_from_handle_matches_the_model(num_ranks, num_channels):
         idx, weights = make_routing(gen, num_tokens, 3, experts, mask_frac=0.2)
         x = torch.randn(num_tokens, 16, generator=gen).to(torch.bfloat16)
         sources.append(model.Source(x, idx, weights, model.layout(idx, experts, num_ranks, None)))
-    for g in range(num_ranks):
-        result = model.dispatch(sources, g, experts, num_channels=num_channels)
+    results = [model.dispatch(sources, g, experts, num_channels=num_channels) for g in range(num_ranks)]
+    sent = torch.tensor([[sum(1 for r, _ in results[d].rows if r == s) for d in range(num_ranks)]
+                         for s in range(num_ranks)], dtype=torch.int32)   # rows s sends to d
+    for g, result in enumerate(results):
         handle = tuple(result.handle[name] for name in model.INTRANODE_HANDLE_FIELDS)
-        plan = plan_from_handle(handle, g)
+        assert plan_from_handle(handle, g, read_shares=False)[-2:] == (None, None)
+        plan = plan_from_handle(handle, g, read_shares=True)
         # expected, from the received rows (source, token) in order
         count = torch.zeros(num_ranks, num_channels, dtype=torch.int32)
         base = torch.full((num_ranks, num_channels), -1, dtype=torch.int32)
@@ -43,3 +46,7 @@ def test_plan_from_handle_matches_the_model(num_ranks, num_channels):
         in_rank = handle[4].to(torch.int32)
         before = torch.cat([torch.zeros(1, num_ranks, dtype=torch.int32), in_rank.cumsum(0).to(torch.int32)])
         assert torch.equal(plan.before, before), msg
+        # the direct protocol's places: first row in each destination, first slot in each source's combine area
+        assert torch.equal(plan.push_row0, sent[:g].sum(0).to(torch.int32)), msg
+        assert torch.equal(plan.combine_row0, sent[:, :g].sum(1).to(torch.int32)), msg
+        assert (plan.max_recv_rows, plan.max_send_rows) == (int(sent.sum(0).max()), int(sent.sum(1).max())), msg

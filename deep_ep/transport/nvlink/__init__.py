@@ -5,10 +5,11 @@
     wait; skipped with num_worst_tokens) -> streaming dispatch kernel;
   cached dispatch, combine: the streaming kernel alone, with the routing kept from the handle.
 When the largest share any rank receives (dispatch) or sent in the dispatch (combine) fits its buffer
-whole, one kernel pushes every row straight to its final slot with all programs (direct.py); otherwise the rows
-stream through per-(source, channel) rings with flow control (dispatch.py, combine.py), so any buffer
-that holds one row per ring works. The direct protocol needs the counts the non-cached dispatch waits
-for; a num_worst_tokens dispatch on any rank, and its handle, use the rings. Nothing else waits on the host.
+whole, one kernel pushes every row straight to its final slot with all programs (direct.py); otherwise
+the rows stream through per-(source, channel) rings with flow control (dispatch.py, combine.py), so any
+buffer that holds one row per ring works. The direct protocol needs the counts the non-cached dispatch
+waits for; a num_worst_tokens dispatch on any rank, and its handle, use the rings. Nothing else waits on
+the host.
 Low-latency calls run on a second peer-mapped area (low_latency.py). An operation whose buffer size is 0
 goes to the reference transport.
 
@@ -190,9 +191,8 @@ class NVLinkTransport(Transport):
         handle; inside a CUDA-graph capture, which cannot wait, a rebuilt plan uses the rings)."""
         plan = self._plans.get(id(handle[3]))
         if plan is None:
-            plan = plan_from_handle(handle, self.topology.rank)
-            if not torch.cuda.is_current_stream_capturing():
-                plan = plan._replace(**largest_shares(handle[0]))
+            plan = plan_from_handle(handle, self.topology.rank,
+                                    read_shares=not torch.cuda.is_current_stream_capturing())
             self._remember(handle[3], plan)
         return plan
 
@@ -254,8 +254,7 @@ class NVLinkTransport(Transport):
         payload = torch.empty(1 + experts_per_rank + 2 * R + 6, dtype=torch.int64, device=dev)
         plan_kernel[(1,)](received, channel_counts, prefix, recv_count, recv_base, rank_prefix_matrix, channel_prefix,
                           recv_channel_prefix, push_row0, combine_row0, payload, checks, rank, experts_per_rank,
-                          expert_alignment,
-                          REC=record_len, R=R, C=C, BLOCK_R=_next_pow2(R), BLOCK_C=_next_pow2(C),
+                          expert_alignment, REC=record_len, R=R, C=C, BLOCK_R=_next_pow2(R), BLOCK_C=_next_pow2(C),
                           BLOCK_E=_next_pow2(experts_per_rank), num_warps=4)
         if num_worst_tokens:
             num_rows, aligned_list, most = num_worst_tokens, [], (None, None)
@@ -438,34 +437,25 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return torch.empty((1,), dtype=torch.int32, device=device)
 
 
-def plan_from_handle(handle, rank: int) -> _Plan:
-    """Where every row of a dispatch went, from its intranode handle alone (torch operations, no host wait:
-    the largest shares stay unknown)."""
+def plan_from_handle(handle, rank: int, read_shares: bool) -> _Plan:
+    """Where every row of a dispatch went, from its intranode handle alone (torch operations); with
+    `read_shares`, also the largest shares (one host wait), else they stay unknown."""
     rank_prefix_matrix, channel_prefix, recv_channel_prefix, _, in_rank, _ = handle
     num_ranks, num_channels = channel_prefix.shape
     prefix = torch.zeros(num_ranks + 1, dtype=torch.int32, device=in_rank.device)
     prefix[1:] = rank_prefix_matrix[:, rank]
     per_source = prefix[1:] - prefix[:-1]
     ends = torch.cat([recv_channel_prefix[:, 1:], per_source.view(num_ranks, 1)], dim=1)
-    counts = _send_counts(rank_prefix_matrix)
+    # rows source s sends to destination d (the matrix is their running sum over sources)
+    counts = torch.diff(rank_prefix_matrix, dim=0, prepend=torch.zeros_like(rank_prefix_matrix[:1]))
     push_row0 = (rank_prefix_matrix[rank - 1] if rank else torch.zeros_like(rank_prefix_matrix[0])).to(torch.int32)
     combine_row0 = counts[:, :rank].sum(dim=1).to(torch.int32)
+    shares = (None, None)
+    if read_shares:   # most rows any rank receives, most any rank sends
+        shares = tuple(int(v) for v in torch.stack([rank_prefix_matrix[-1].max(), counts.sum(dim=1).max()]).tolist())
     return _Plan(_before(in_rank), (ends - recv_channel_prefix).to(torch.int32),
                  (prefix[:num_ranks].view(num_ranks, 1) + recv_channel_prefix).to(torch.int32), prefix, push_row0,
-                 combine_row0, num_channels, None, None)
-
-
-def _send_counts(rank_prefix_matrix: torch.Tensor) -> torch.Tensor:
-    """[R, R]: rows source s sends to destination d (the matrix is their running sum over sources)."""
-    return torch.diff(rank_prefix_matrix, dim=0, prepend=torch.zeros_like(rank_prefix_matrix[:1]))
-
-
-def largest_shares(rank_prefix_matrix: torch.Tensor) -> Dict[str, int]:
-    """The most rows any rank receives and the most any rank sends in a dispatch, from its rank_prefix_matrix
-    (one host wait)."""
-    counts = _send_counts(rank_prefix_matrix)
-    most = torch.stack([rank_prefix_matrix[-1].max(), counts.sum(dim=1).max()]).tolist()
-    return dict(max_recv_rows=int(most[0]), max_send_rows=int(most[1]))
+                 combine_row0, num_channels, *shares)
 
 
 def _split(flat: torch.Tensor, shapes):

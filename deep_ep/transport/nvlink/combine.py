@@ -91,8 +91,8 @@ def reduce_tokens(tokens, live, x_ptr, weights_ptr, in_rank_ptr, before_ptr, bia
 @triton.jit
 def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, recv_base_ptr, prefix_ptr, bias0_ptr,
                    bias1_ptr, out_ptr, out_weights_ptr, bases_ptr, status_ptr, num_tokens, num_rows, rank, tail_word,
-                   head_word, sent_word, recvd_word, ops_word, done_word, ticket_word, ring_word, ring_words, slot_words,
-                   ring_slots, batch, timeout_ns,
+                   head_word, sent_word, recvd_word, ops_word, done_word, ticket_word, ring_word, ring_words,
+                   slot_words, ring_slots, batch, timeout_ns,
                    C: tl.constexpr, CMAX: tl.constexpr, R: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                    X_OFF: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr):

@@ -13,8 +13,8 @@ Protocol (channel q = tokens [q * ceil(T/C), ...)):
     the last program to finish publishes that this rank has (sync.end_operation).
   sender q of rank s: per batch of tokens: wait until HEAD[d][q] leaves room for the batch's rows, store
     each token into every peer d that receives it, at slot (row counter mod ring_slots) of ring (s, q) in
-    d's buffer, and publish TAIL[s][q] in every peer (release, after a barrier). The rank's own tokens go straight
-    to its outputs: from the sender (OWN_BY_SENDER) or from the receiver, so that senders only push over
+    d's buffer, and publish TAIL[s][q] in every peer (release, after a barrier). The rank's own tokens go
+    straight to its outputs: from the sender (OWN_BY_SENDER) or from the receiver, so that senders only push over
     NVLink (which of the two is faster is measured by the benchmark; the setting picks one).
   receiver q of rank d: poll TAIL[s][q] of every source, copy the rows that arrived into the outputs
     (row = first row of (s, q) in the outputs + index), and publish HEAD[d][q] in the source's buffer.
@@ -35,8 +35,8 @@ OWN_STEP = tl.constexpr(4)   # tiles of own tokens a receiver copies between two
 
 @triton.jit
 def store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr, out_scales_ptr, out_idx_ptr,
-                   out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, xo, so, ko, XW: tl.constexpr,
-                   SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr):
+                  out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, xo, so, ko, XW: tl.constexpr,
+                  SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr):
     """Received rows (where `keep`) into the outputs: ids of other ranks' experts become -1, their weights 0."""
     keep = keep & (rows >= 0)   # rows come from the plan; never write outside the outputs
     rows64 = rows.to(tl.int64)[:, None]
@@ -57,8 +57,8 @@ def store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr, out_sc
 
 @triton.jit
 def load_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo, so, ko, XW: tl.constexpr,
-                 SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr,
-                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+                SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr,
+                BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
     """A tile of this rank's tokens: payload words, scales, top-k ids and weights (zeros where absent)."""
     t64 = tokens.to(tl.int64)
     x = tl.load(row_pointers(x_ptr.to(tl.int64) + t64 * (4 * XW), xo, tl.int32, BLOCK_X),

@@ -6,7 +6,8 @@ prepare_kernel (R + 1 programs), before the notify:
     send_head[t, d] = before[t, d] or -1, channel_counts[d, q], and mismatch[d] = 1 when
     num_tokens_per_rank[d] is not the column sum;
   program R: checks = (flags: 1 = an id of the last layouts out of range, 2 = an id of topk_idx out of
-    range, 8 = this rank does not wait for the counts (num_worst_tokens); smallest id; largest id; an offending layout id), and advances the notify epoch.
+    range, 8 = this rank does not wait for the counts (num_worst_tokens); smallest id; largest id; an
+    offending layout id), and advances the notify epoch.
 plan_kernel (1 program), after the notify: from the received records, where every received row goes
   (prefix, recv_count, recv_base), where this rank's rows go in the direct protocol, the handle's matrices,
   and the host payload.
@@ -65,8 +66,8 @@ def prepare_kernel(in_rank_ptr, per_rank_ptr, idx_ptr, layout_bad_ptr, before_pt
 @triton.jit
 def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, recv_base_ptr, rank_prefix_ptr,
                 channel_prefix_ptr, recv_channel_prefix_ptr, push_row0_ptr, combine_row0_ptr, payload_ptr, checks_ptr,
-                rank, experts_per_rank, expert_alignment, REC: tl.constexpr, R: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+                rank, experts_per_rank, expert_alignment, REC: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
     """Record of source s (received[s]): [signature | flags | tokens per destination (R) | its tokens per
     expert of this rank (E_loc) | its tokens for this rank per channel (C)]."""
     rs = tl.arange(0, BLOCK_R)
