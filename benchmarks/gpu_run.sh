@@ -37,11 +37,11 @@ if has bench; then
         bench "normal, both ranks on one GPU, hint-sized buffer (rings)" --mode normal --num-sms 24 --warmup 2 --iters 10
     else
         # a 2 GB buffer (DeepEP's own test passes 2e9): every row fits, the direct protocol serves dispatch and combine
-        bench "24 SMs, 2 GB buffer" --mode all --num-sms 24 --nvl-bytes 2000000000
+        bench "24 SMs, 2 GB buffer" --mode all --num-sms 24 --nvl-bytes 2000000000 --kernels
         bench "16 SMs, 2 GB buffer" --mode normal --num-sms 16 --nvl-bytes 2000000000
         bench "8 SMs, 2 GB buffer" --mode normal --num-sms 8 --nvl-bytes 2000000000
         # the size hint's buffer: the rows stream through the rings
-        bench "24 SMs, hint-sized buffer (rings)" --mode normal --num-sms 24
+        bench "24 SMs, hint-sized buffer (rings)" --mode normal --num-sms 24 --kernels
         DEEP_EP_NVLINK_OWN_ROWS=receiver bench "24 SMs, rings, own rows copied by the receivers" --mode normal --num-sms 24
     fi
 fi

@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (configuration, figures, verification) on stdout; "
                         "the table then goes to stderr")
+    p.add_argument("--kernels", action="store_true",
+                   help="after the table, each operation's kernels and copies with their microseconds per call (GPU)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="bar chart of the times (needs matplotlib)")
     return p
 
@@ -177,6 +179,7 @@ class _Ctx:
         self.coll_device = device if self.nccl else torch.device("cpu")
         self.checks: List[str] = []
         self.phase_no = 0
+        self._l2_flush: Optional[torch.Tensor] = None
 
     def sync(self) -> None:
         if self.is_cuda:
@@ -236,40 +239,89 @@ class _Ctx:
         self.checks.append(name)
 
     def time(self, fn: Callable[[], Any]) -> Dict[str, List[float]]:
-        """Seconds per call, two ways, after warm-up calls:
-        `streamed`: calls back to back, each bracketed by events on the current stream (DeepEP's own
-          benchmark method: host work overlaps the GPU's previous call, as in a model's forward pass);
+        """Seconds per call, after warm-up calls, several ways:
+        `streamed`: calls back to back, each bracketed by events on the current stream, with DeepEP's L2 flush
+          (256 MB zeroed) enqueued before each call, as DeepEP's own benchmark does: the GPU is busy with the
+          flush while the host prepares the call, so host work overlaps the GPU as in a model's forward pass;
+        `host`: host seconds of each of those calls (the Python and launch cost of the API);
+        `kernel` (GPU): GPU busy time per call from torch.profiler (the union of the kernels' and copies'
+          intervals, flushes excluded), the figure DeepEP's newer tests report;
         `isolated`: a barrier before each call, so it starts on an idle GPU and pays all its host time."""
         for _ in range(self.plan["warmup"]):
             fn()
-        isolated = self._series(fn, barrier_each=True)
+        isolated, _ = self._series(fn, barrier_each=True)
         self.barrier()
-        streamed = self._series(fn, barrier_each=False)
+        streamed, host = self._series(fn, barrier_each=False)
         self.barrier()
-        return dict(streamed=streamed, isolated=isolated)
+        times = dict(streamed=streamed, isolated=isolated, host=host)
+        if self.is_cuda:
+            times["kernel"], times["kernels"] = self._kernel_series(fn)
+            self.barrier()
+        return times
 
-    def _series(self, fn: Callable[[], Any], barrier_each: bool) -> List[float]:
-        """Seconds of each of `iters` calls: events around each call (GPU) or the host clock (CPU)."""
-        if not self.is_cuda:
-            times = []
-            for _ in range(self.plan["iters"]):
-                if barrier_each:
-                    self.barrier()
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return times
+    def _flush(self, marked: bool = False) -> None:
+        """DeepEP's L2 flush: 256 MB zeroed; `marked`: rewritten by a kernel the profiler can tell apart (a
+        negation, which no operation under test launches; it also reads, so it takes longer)."""
+        if self._l2_flush is None:
+            self._l2_flush = torch.empty(int(256e6) // 4, dtype=torch.int32, device=self.device)
+        if marked:
+            self._l2_flush.neg_()
+        else:
+            self._l2_flush.zero_()
+
+    def _series(self, fn: Callable[[], Any], barrier_each: bool) -> Tuple[List[float], List[float]]:
+        """Seconds of each of `iters` calls, events around each call (GPU) or the host clock (CPU), and the
+        host seconds of each call."""
+        times, host = [], []
         events = []
         for _ in range(self.plan["iters"]):
             if barrier_each:
                 self.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            if self.is_cuda:
+                if not barrier_each:
+                    self._flush()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
             fn()
-            end.record()
-            events.append((start, end))
+            host.append(time.perf_counter() - t0)
+            if self.is_cuda:
+                end.record()
+                events.append((start, end))
+        if not self.is_cuda:
+            return host, host
         self.sync()
-        return [start.elapsed_time(end) / 1e3 for start, end in events]
+        return [start.elapsed_time(end) / 1e3 for start, end in events], host
+
+    def _kernel_series(self, fn: Callable[[], Any]) -> Tuple[List[float], Dict[str, float]]:
+        """GPU busy seconds per call over `iters` calls, each after a flush (profiled; flushes left out), and
+        each kernel's (or copy's) microseconds per call."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+        iters = self.plan["iters"]
+        self.sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                self._flush(marked=True)
+                fn()
+            self.sync()
+        device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not _is_flush(e.name)]
+        spans = sorted((e.time_range.start, e.time_range.end) for e in device_events)
+        per_kernel: Dict[str, float] = {}
+        for e in device_events:
+            name = e.name.split("(")[0][:48]
+            per_kernel[name] = per_kernel.get(name, 0.0) + (e.time_range.end - e.time_range.start) / iters
+        busy, reach = 0.0, float("-inf")
+        for begin, end in spans:   # the union of the intervals (kernels on two streams may overlap)
+            if end > reach:
+                busy += end - max(begin, reach)
+                reach = end
+        return [busy / 1e6 / iters], per_kernel
+
+
+def _is_flush(name: str) -> bool:
+    """The marked L2 flush's kernel (see _Ctx._flush)."""
+    return "neg_kernel" in name
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -414,6 +466,9 @@ class _Baseline:
 def _record(results: Dict[str, Any], name: str, times: Dict[str, List[float]], nbytes: Optional[int],
             baseline_times: Optional[Dict[str, List[float]]] = None, link_bytes: Optional[int] = None) -> None:
     results[name] = dict(time_us=_median_us(times["streamed"]), isolated_us=_median_us(times["isolated"]),
+                         host_us=_median_us(times["host"]) if "host" in times else None,
+                         kernel_us=_median_us(times["kernel"]) if "kernel" in times else None,
+                         kernels=times.get("kernels"),
                          bytes=nbytes, link_bytes=link_bytes,
                          baseline_time_us=_median_us(baseline_times["streamed"]) if baseline_times else None)
 
@@ -957,6 +1012,9 @@ def _summarise(plan: Dict[str, Any], result: Dict[str, Any], wall_s: float) -> D
             continue
         mine = per_rank[0][name]
         entry: Dict[str, Any] = dict(label=label, mode=mode, time_us=mine["time_us"], isolated_us=mine["isolated_us"],
+                                     host_us=mine.get("host_us"), kernel_us=mine.get("kernel_us"),
+                                     kernel_us_max_rank=max((r[name].get("kernel_us") or 0 for r in per_rank),
+                                                            default=0) or None, kernels=mine.get("kernels"),
                                      time_us_max_rank=max(r[name]["time_us"] for r in per_rank),
                                      time_us_per_rank=[r[name]["time_us"] for r in per_rank],
                                      bytes=mine["bytes"],
@@ -984,8 +1042,9 @@ def _summarise(plan: Dict[str, Any], result: Dict[str, Any], wall_s: float) -> D
                   seed=plan["seed"], torch=torch.__version__)
     return dict(ok=True, config=config, ops=ops,
                 verification=dict(passed=True, checks=result["checks"]),
-                units=dict(time="microseconds, median over iters of calls back to back (rank 0 unless stated); "
-                                "isolated_us: each call after a barrier",
+                units=dict(time="microseconds, median over iters of calls back to back, each after an L2 flush "
+                                "(rank 0 unless stated); isolated_us: each call after a barrier; host_us: host time "
+                                "of a call; kernel_us: GPU busy time per call (profiler)",
                            bandwidth="GB/s = DeepEP logical bytes / 1e9 / time"),
                 wall_s=round(wall_s, 3))
 
@@ -1000,15 +1059,17 @@ def format_table(report: Dict[str, Any]) -> str:
     if "low-latency" in c["modes"]:
         lines.append(f"  low-latency: {c['ll_tokens']} tokens/rank, hidden {c['hidden']}, top-{c['topk']}, "
                      f"{c['ll_experts']} experts")
-    lines.append(f"  time: median of {c['iters']} calls back to back after {c['warmup']} warm-up (DeepEP's method), "
-                 "rank 0 (max over ranks in brackets); isolated: median of calls each started after a barrier")
+    flush = ", each after an L2 flush (DeepEP's method)" if c["device"] == "cuda" else ""
+    lines.append(f"  time: median of {c['iters']} calls back to back after {c['warmup']} warm-up{flush}, rank 0 (max "
+                 "over ranks in brackets); kernel: GPU busy time per call (profiler, max over ranks); host: host "
+                 "time of a call; isolated: calls each after a barrier")
     lines.append("  GB/s: DeepEP's logical bytes / 1e9 / time; baseline: permute + all_to_all_single, back to back")
     if c.get("copy_engine_peer_gbps"):
         lines.append(f"  ceiling: copy engine to the peer GPU {c['copy_engine_peer_gbps']:.0f} GB/s; link GB/s = bytes "
                      "sent to other ranks / time")
-    header = ("operation", "time us", "(max rank)", "isolated us", "GB/s", "link GB/s", "baseline us", "base GB/s",
-              "ours/baseline")
-    widths = (22, 11, 12, 13, 9, 10, 12, 11, 14)
+    header = ("operation", "time us", "(max rank)", "kernel us", "host us", "isolated us", "GB/s", "link GB/s",
+              "baseline us", "base GB/s", "ours/baseline")
+    widths = (22, 9, 11, 10, 9, 12, 9, 10, 12, 10, 14)
     fmt = lambda cells: "".join(str(v).rjust(w) if i else str(v).ljust(w)  # noqa: E731
                                 for i, (v, w) in enumerate(zip(cells, widths)))
     lines.append(fmt(header))
@@ -1020,11 +1081,23 @@ def format_table(report: Dict[str, Any]) -> str:
     for entry in report["ops"].values():
         b = entry["baseline"] or {}
         lines.append(fmt((entry["label"], num(entry["time_us"]), f"({num(entry['time_us_max_rank'])})",
-                          num(entry["isolated_us"]), num(entry["gbps"], 2), num(entry.get("link_gbps"), 1), num(b.get("time_us")), num(b.get("gbps"), 2),
-                          num(entry["ratio_vs_baseline"], 2))))
+                          num(entry.get("kernel_us_max_rank")), num(entry.get("host_us")), num(entry["isolated_us"]),
+                          num(entry["gbps"], 2), num(entry.get("link_gbps"), 1), num(b.get("time_us")),
+                          num(b.get("gbps"), 2), num(entry["ratio_vs_baseline"], 2))))
     v = report["verification"]
     lines.append(f"verification: {'passed' if v['passed'] else 'FAILED'} ({len(v['checks'])} checks); "
                  f"wall time {report['wall_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def format_kernels(report: Dict[str, Any]) -> str:
+    """Rank 0's kernels per operation, longest first (GPU runs; empty on CPU)."""
+    lines = []
+    for entry in report["ops"].values():
+        kernels = entry.get("kernels")
+        if kernels:
+            parts = sorted(kernels.items(), key=lambda item: -item[1])
+            lines.append(f"{entry['label']}: " + ", ".join(f"{name} {us:.1f}" for name, us in parts))
     return "\n".join(lines)
 
 
@@ -1077,6 +1150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     report = _summarise(plan, result, wall_s)
     table = format_table(report)
+    if args.kernels:
+        table += "\n" + format_kernels(report)
     if args.json:
         print(table, file=sys.stderr, flush=True)
         print(json.dumps(report, indent=2), flush=True)

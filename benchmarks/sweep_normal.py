@@ -1,0 +1,71 @@
+"""Normal-mode settings compared in one run: `python -m deep_ep.bench --mode normal` once per setting (a
+setting is a set of environment variables, e.g. the NVLink transport's DEEP_EP_NVLINK_* knobs) and SM
+count, then one line per run with the time (DeepEP's method) and the GPU time of each operation.
+
+  python benchmarks/sweep_normal.py --num-sms 24 16 --setting "" --setting "DEEP_EP_NVLINK_DIRECT=0" \
+      [--nvl-bytes 2000000000] [--iters 30]
+
+A failed run (a verification error or a crash) prints its last lines instead of figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Dict
+
+OPS = (("dispatch_cached", "BF16"), ("dispatch_cached_fp8", "FP8"), ("combine", "combine"), ("layout", "layout"),
+       ("dispatch_bf16", "BF16+wait"))
+
+
+def _environment(setting: str) -> Dict[str, str]:
+    env = dict(os.environ)
+    for item in filter(None, setting.split(",")):
+        name, _, value = item.partition("=")
+        env[name.strip()] = value.strip()
+    return env
+
+
+def _run(setting: str, num_sms: int, args: argparse.Namespace) -> str:
+    command = [sys.executable, "-m", "deep_ep.bench", "--mode", "normal", "--json", "--num-sms", str(num_sms),
+               "--iters", str(args.iters)]
+    if args.nvl_bytes:
+        command += ["--nvl-bytes", str(args.nvl_bytes)]
+    done = subprocess.run(command, env=_environment(setting), capture_output=True, text=True, timeout=args.timeout)
+    label = f"{num_sms:3d} SMs  {setting or '(defaults)'}"
+    try:
+        report = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        report = None
+    if done.returncode or not report or not report.get("ok"):
+        tail = "\n    ".join((done.stdout + done.stderr).strip().splitlines()[-6:])
+        return f"{label}: FAILED (exit {done.returncode})\n    {tail}"
+    cells = []
+    for name, short in OPS:
+        entry = report["ops"].get(name)
+        if entry:
+            kernel = entry.get("kernel_us_max_rank")
+            cells.append(f"{short} {entry['time_us']:.1f}" + (f" [{kernel:.1f}]" if kernel else ""))
+    return f"{label}: " + "  ".join(cells)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setting", action="append", default=None,
+                        help="comma-separated NAME=VALUE environment variables; repeat for several (default: one "
+                             "run with the defaults)")
+    parser.add_argument("--num-sms", type=int, nargs="+", default=[24])
+    parser.add_argument("--nvl-bytes", type=int, default=None)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    args = parser.parse_args()
+    print("us per call: time (DeepEP's method, rank 0) [GPU busy time, max over ranks]", flush=True)
+    for num_sms in args.num_sms:
+        for setting in args.setting or [""]:
+            print(_run(setting, num_sms, args), flush=True)
+
+
+if __name__ == "__main__":
+    main()
