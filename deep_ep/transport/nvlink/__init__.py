@@ -241,7 +241,7 @@ class NVLinkTransport(Transport):
         prepare_kernel[(R + 1,)](in_rank, num_tokens_per_rank, ids, self.layout_bad, before, send_head, channel_counts,
                                  mismatch, checks, self.epoch, num_tokens, 0 if topk_idx is None else topk_idx.numel(),
                                  num_experts, C, 1 if num_worst_tokens else 0, R=R, BLOCK=1024,
-                                 BLOCK_C=_next_pow2(C), num_warps=4)
+                                 BLOCK_C=_next_pow2(C), BLOCK_IDS=8192, num_warps=8)
         record_len = 2 + R + experts_per_rank + C
         received = torch.empty((R, record_len), dtype=torch.int32, device=dev)
         notify_kernel[(R,)](before[num_tokens], num_tokens_per_expert, channel_counts, mismatch, checks, signature,

@@ -19,7 +19,7 @@ import triton.language as tl
 @triton.jit
 def prepare_kernel(in_rank_ptr, per_rank_ptr, idx_ptr, layout_bad_ptr, before_ptr, send_head_ptr,
                    channel_counts_ptr, mismatch_ptr, checks_ptr, epoch_ptr, num_tokens, num_ids, num_experts, C,
-                   no_wait, R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+                   no_wait, R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_IDS: tl.constexpr):
     d = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     if d < R:
@@ -48,8 +48,9 @@ def prepare_kernel(in_rank_ptr, per_rank_ptr, idx_ptr, layout_bad_ptr, before_pt
         if num_ids > 0:
             low = tl.full([], 1 << 62, tl.int64)
             high = tl.full([], -(1 << 62), tl.int64)
-        for first in range(0, num_ids, BLOCK):
-            i = first + offs
+        ids_offs = tl.arange(0, BLOCK_IDS)   # wide steps: each step's min/max waits for its loads
+        for first in range(0, num_ids, BLOCK_IDS):
+            i = first + ids_offs
             ids = tl.load(idx_ptr + i, mask=i < num_ids, other=0)
             low = tl.minimum(low, tl.min(tl.where(i < num_ids, ids, 1 << 62), axis=0))
             high = tl.maximum(high, tl.max(tl.where(i < num_ids, ids, -(1 << 62)), axis=0))
