@@ -30,7 +30,7 @@ def _environment(setting: str) -> Dict[str, str]:
 
 def _run(setting: str, num_sms: int, args: argparse.Namespace) -> str:
     command = [sys.executable, "-m", "deep_ep.bench", "--mode", "normal", "--json", "--num-sms", str(num_sms),
-               "--iters", str(args.iters)]
+               "--iters", str(args.iters), "--num-ranks", str(args.num_ranks)]
     if args.nvl_bytes:
         command += ["--nvl-bytes", str(args.nvl_bytes)]
     done = subprocess.run(command, env=_environment(setting), capture_output=True, text=True, timeout=args.timeout)
@@ -58,6 +58,8 @@ def main() -> None:
                              "run with the defaults)")
     parser.add_argument("--num-sms", type=int, nargs="+", default=[24])
     parser.add_argument("--nvl-bytes", type=int, default=None)
+    parser.add_argument("--num-ranks", type=int, default=2,
+                        help="ranks (1: every row stays local, which isolates the kernels' local copies)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     args = parser.parse_args()
