@@ -380,6 +380,12 @@ def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optio
             chk.x_equal(f"worst-handle cached dispatch #{i} ({kind}) recv_x", out[0],
                         model.cached_dispatch(new_xs, expected.rows), rows=worst)
 
+    # ---- a copied handle (nothing of its dispatch is known for it) moves the same rows
+    if case.get("cached"):
+        copied = tuple(t.clone() for t in handle)
+        out = buffer.dispatch(dev(me.x), handle=copied, config=dispatch_config)
+        chk.x_equal("cached dispatch through a copied handle recv_x", out[0], expected.recv_x)
+
     # ---- combine: random per-rank inputs, with/without top-k weights, bias None / one / two
     for j, bias_mode in enumerate(case.get("biases", ["none"])):
         ys, yws = [], []

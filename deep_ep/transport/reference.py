@@ -12,8 +12,10 @@ variable all-to-all, so this transport always synchronises the host; that is its
 """
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+import weakref
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -90,12 +92,40 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
                        torch.full_like(mask, -1, dtype=torch.int32))
 
 
+class _Route(NamedTuple):
+    """Where the rows of one dispatch went, kept with its handle for its cached dispatches and combines (so
+    that they need no host reads besides their own exchanges)."""
+    destination: torch.Tensor   # destination rank of each row sent, rows in (destination, token) order
+    token: torch.Tensor         # source token of each row sent
+    send_splits: List[int]      # rows sent to each rank
+    recv_splits: List[int]      # rows received from each rank
+
+
+def _route(is_token_in_rank: torch.Tensor, recv_splits: Sequence[int]) -> _Route:
+    destination, token = is_token_in_rank.t().nonzero(as_tuple=True)
+    return _Route(destination, token, is_token_in_rank.sum(0).tolist(), [int(n) for n in recv_splits])
+
+
 class ReferenceTransport(Transport):
     name = "reference"
 
     def __init__(self, group: Group, topology: Topology, device: torch.device) -> None:
         super().__init__(group, topology, device)
         self._call_number = 0
+        self._routes: Dict[int, _Route] = {}   # id(handle's received-rows tensor) -> route, forgotten with it
+
+    def _route_of(self, handle) -> _Route:
+        """The route of a handle: kept from its dispatch, else rebuilt from the handle (host reads)."""
+        key = handle[7] if self.topology.is_internode else handle[3]
+        route = self._routes.get(id(key))
+        if route is None:
+            route = _route(handle[0] if self.topology.is_internode else handle[4], self._recv_per_source(handle))
+            self._remember(key, route)
+        return route
+
+    def _remember(self, key: torch.Tensor, route: _Route) -> None:
+        self._routes[id(key)] = route
+        weakref.finalize(key, self._routes.pop, id(key), None)
 
     # ---- agreement --------------------------------------------------------------------------------
     def _agree(self, op: str, fields: Dict[str, int], extra: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -201,8 +231,9 @@ class ReferenceTransport(Transport):
                              f"rank {topo.rank} receives")
         num_rows = num_worst_tokens or num_recv
 
-        recv = self._exchange_dispatch_rows(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
-                                            recv_per_source.tolist(), "dispatch (data exchange)",
+        route = _route(is_token_in_rank, recv_per_source.tolist())
+        recv = self._exchange_dispatch_rows(x, x_scales, topk_idx, topk_weights, is_token_in_rank, route, num_rows,
+                                            "dispatch (data exchange)", with_token=True,
                                             with_node_mask=topo.is_internode)
         out = self._place_rows(recv, x, x_scales, topk_idx, topk_weights, num_recv, num_rows, experts_per_rank)
 
@@ -221,36 +252,45 @@ class ReferenceTransport(Transport):
             out.handle = self._internode_handle(received, in_node, node_channel_counts, channel_prefix,
                                                 recv_channel_counts, rank_prefix_matrix, recv, num_recv, num_rows,
                                                 is_token_in_rank, experts_per_rank, num_channels)
+        self._remember(out.handle[7] if topo.is_internode else out.handle[3], route)
         out.num_recv_tokens_per_expert_list = [] if num_worst_tokens else aligned.tolist()
         return out
 
-    def _exchange_dispatch_rows(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, recv_splits,
-                                what, with_node_mask):
-        """Send token t to every rank d with is_token_in_rank[t, d], in (d, t) order; returns unpacked rows."""
-        destination, token = is_token_in_rank.t().nonzero(as_tuple=True)
+    def _exchange_dispatch_rows(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, route: _Route,
+                                num_rows, what, with_token, with_node_mask):
+        """Send token t to every rank d with is_token_in_rank[t, d], in (d, t) order. The rows of x travel alone,
+        straight into the first rows of the returned `x` (`num_rows` rows); the small per-row fields, if any,
+        packed in a second exchange. Returns them unpacked."""
+        destination, token = route.destination, route.token
+        num_recv = sum(route.recv_splits)
+        recv_x = x.new_empty((num_rows, x.shape[1]))
+        pending_x = self.group.all_to_all(recv_x[:num_recv], _take(x, token), route.recv_splits, route.send_splits,
+                                          what)
         packer = _Packer()
-        packer.add("x", _take(x, token))
         if x_scales is not None:
             packer.add("scales", _take(x_scales, token))
         if topk_idx is not None:
             packer.add("topk_idx", _take(topk_idx, token))
         if topk_weights is not None:
             packer.add("topk_weights", _take(topk_weights, token))
-        packer.add("token", token.to(torch.int32))
+        if with_token:
+            packer.add("token", token.to(torch.int32))
         if with_node_mask:
             node_of_destination = destination // self.topology.ranks_per_node
             packer.add("node_mask", self._node_masks(is_token_in_rank)[token, node_of_destination])
-        send_splits = is_token_in_rank.sum(0).tolist()
-        packed = packer.pack(token.numel(), x.device)
-        received = self._exchange_rows(packed, send_splits, recv_splits, what).wait()
-        rows = packer.unpack(received)
-        rows["source"] = _segment_ids(recv_splits)
+        rows: Dict[str, torch.Tensor] = {}
+        if packer.fields:
+            received = self._exchange_rows(packer.pack(token.numel(), x.device), route.send_splits,
+                                           route.recv_splits, what).wait()
+            rows = packer.unpack(received)
+        pending_x.wait()
+        rows["x"] = recv_x
+        rows["source"] = _segment_ids(route.recv_splits)
         return rows
 
     def _place_rows(self, recv, x, x_scales, topk_idx, topk_weights, num_recv, num_rows, experts_per_rank):
         """Outputs of `num_rows` rows whose first `num_recv` are the received ones (worst-case tail: ids -1)."""
-        recv_x = x.new_empty((num_rows, x.shape[1]))
-        recv_x[:num_recv] = recv["x"].to(x.device)
+        recv_x = recv["x"]
         recv_scales = None
         if x_scales is not None:
             recv_scales = torch.empty((num_rows, x_scales.shape[1]), dtype=x_scales.dtype, device=x.device)
@@ -322,11 +362,11 @@ class ReferenceTransport(Transport):
         topo = self.topology
         is_token_in_rank = handle[0] if topo.is_internode else handle[4]
         self._agree("dispatch (cached)", self._dispatch_header(x, x_scales, None, num_channels))
-        recv_per_source = self._recv_per_source(handle)
-        num_recv = int(sum(recv_per_source))
+        route = self._route_of(handle)
+        num_recv = sum(route.recv_splits)
         num_rows = (handle[7] if topo.is_internode else handle[3]).shape[0]
-        recv = self._exchange_dispatch_rows(x, x_scales, None, None, is_token_in_rank, recv_per_source,
-                                            "cached dispatch (data exchange)", with_node_mask=False)
+        recv = self._exchange_dispatch_rows(x, x_scales, None, None, is_token_in_rank, route, num_rows,
+                                            "cached dispatch (data exchange)", with_token=False, with_node_mask=False)
         return self._place_rows(recv, x, x_scales, None, None, num_recv, num_rows, 0)
 
     def _recv_per_source(self, handle) -> List[int]:
@@ -344,17 +384,19 @@ class ReferenceTransport(Transport):
         num_tokens = is_token_in_rank.shape[0]
         self._agree("combine", dict(hidden=x.shape[1], topk=-1 if topk_weights is None else topk_weights.shape[1],
                                     num_biases=sum(b is not None for b in biases), num_channels=num_channels))
-        recv_per_source = self._recv_per_source(handle)
-        num_recv = int(sum(recv_per_source))
-        packer = _Packer()
-        packer.add("x", x[:num_recv])
+        route = self._route_of(handle)
+        recv_per_source, send_back = route.recv_splits, route.send_splits
+        num_recv = sum(recv_per_source)
+        # the rows go back as they are (already grouped by source rank), the weights in a second exchange
+        values = x.new_empty((sum(send_back), x.shape[1]))
+        pending = self.group.all_to_all(values, x[:num_recv], send_back, recv_per_source, "combine (data exchange)")
+        weights = None
         if topk_weights is not None:
-            packer.add("topk_weights", topk_weights[:num_recv])
-        send_back = is_token_in_rank.sum(0).tolist()
-        received = self._exchange_rows(packer.pack(num_recv, x.device), recv_per_source, send_back,
-                                       "combine (data exchange)").wait()
-        rows = packer.unpack(received)
-        destination, token = is_token_in_rank.t().nonzero(as_tuple=True)
+            weights = topk_weights.new_empty((values.shape[0], topk_weights.shape[1]))
+            self.group.all_to_all(weights, topk_weights[:num_recv], send_back, recv_per_source,
+                                  "combine (weight exchange)").wait()
+        pending.wait()
+        token = route.token
 
         combined = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
         for bias in biases:
@@ -363,9 +405,8 @@ class ReferenceTransport(Transport):
         combined_weights = None
         if topk_weights is not None:
             combined_weights = torch.zeros((num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
-        values = rows["x"].float()
-        weights = rows.get("topk_weights")
-        bounds = [0] + torch.cumsum(torch.tensor(send_back), 0).tolist()
+        values = values.float()
+        bounds = [0, *itertools.accumulate(send_back)]
         if not topo.is_internode:
             for d in range(topo.num_ranks):
                 part = slice(bounds[d], bounds[d + 1])
