@@ -238,13 +238,12 @@ class ReferenceTransport(Transport):
         out = self._place_rows(recv, x, x_scales, topk_idx, topk_weights, num_recv, num_rows, experts_per_rank)
 
         rank_prefix_matrix = torch.cumsum(gathered_per_rank[:, :num_ranks], dim=0).to(torch.int32)
-        recv_src_idx = torch.full((num_rows,), -1, dtype=torch.int32)
-        recv_src_idx[:num_recv] = recv["token"].cpu()
-        recv_src_idx = recv_src_idx.to(self.device)
+        dev = self.device
+        recv_src_idx = torch.full((num_rows,), -1, dtype=torch.int32, device=dev)
+        recv_src_idx[:num_recv] = recv["token"].to(dev)
         send_head = _positions(is_token_in_rank)
         channel_prefix = torch.cumsum(channel_counts, dim=1).to(torch.int32)
         recv_channel_prefix = _exclusive_cumsum(recv_channel_counts, dim=1).to(torch.int32)
-        dev = self.device
         if not topo.is_internode:
             out.handle = (rank_prefix_matrix.to(dev), channel_prefix, recv_channel_prefix.to(dev),
                           recv_src_idx, is_token_in_rank, send_head)
