@@ -43,6 +43,8 @@ def test_bench_json_cpu():
     for name, op in report["ops"].items():
         assert op["time_us"] > 0 and op["time_us_max_rank"] >= op["time_us"] and op["isolated_us"] > 0, name
         assert len(op["time_us_per_rank"]) == 2 and all(t > 0 for t in op["time_us_per_rank"]), name
+        # on CPU a call's host time is its time; GPU busy time exists only on GPUs
+        assert op["host_us"] == pytest.approx(op["time_us"]) and op["kernel_us"] is None, name
         if name == "layout":
             assert op["bytes"] is None and op["baseline"] is None
             continue
@@ -122,3 +124,17 @@ def test_bench_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
     from deep_ep.bench import main
     assert main(TINY + ["--plot", str(tmp_path / "x.png")]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_sweep_normal_cpu():
+    """benchmarks/sweep_normal.py: one line of figures per setting; a setting that breaks the run says so."""
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "sweep_normal.py"), "--iters", "2",
+               "--setting", "", "--setting", "DEEP_EP_TRANSPORT=no-such-transport"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    defaults = next(line for line in lines if "(defaults)" in line)
+    for label in ("BF16", "FP8", "combine", "layout"):
+        assert f"{label} " in defaults, defaults
+    broken = next(line for line in lines if "no-such-transport" in line)
+    assert "FAILED" in broken, broken
