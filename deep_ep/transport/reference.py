@@ -452,17 +452,19 @@ class ReferenceTransport(Transport):
         recv_expert_counts = sent_counts.clone()          # [R, E_loc]; rows from masked sources are dropped
         if mask is not None:
             recv_expert_counts[mask.cpu() != 0] = 0
-        packer = _Packer()
-        if options.use_fp8:
-            data, scales = per_token_cast_to_fp8(x, round_scale=options.round_scale)
-            packer.add("x", _take(data, token))
-            packer.add("scales", _take(scales, token))
-        else:
-            packer.add("x", _take(x, token))
-        packer.add("token", token.to(torch.int32))
-        packer.add("expert", (expert % experts_per_rank).to(torch.int32))
         send_splits = send_expert_counts.sum(1).tolist()
         recv_splits = sent_counts.sum(1).tolist()
+        packer = _Packer()
+        data = x
+        if options.use_fp8:
+            data, scales = per_token_cast_to_fp8(x, round_scale=options.round_scale)
+            packer.add("scales", _take(scales, token))
+        packer.add("token", token.to(torch.int32))
+        packer.add("expert", (expert % experts_per_rank).to(torch.int32))
+        # the rows travel alone (no packing copy), the small per-row fields packed beside them
+        received_x = data.new_empty((sum(recv_splits), hidden))
+        pending_x = self.group.all_to_all(received_x, _take(data, token), recv_splits, send_splits,
+                                          "low_latency_dispatch (data exchange)")
         pending = self._exchange_rows(packer.pack(token.numel(), x.device), send_splits, recv_splits,
                                       "low_latency_dispatch (data exchange)")
 
@@ -486,8 +488,10 @@ class ReferenceTransport(Transport):
         def receive() -> None:
             started = _now_ns()
             received = pending.wait()
+            pending_x.wait()
             waited = _now_ns() - started
             rows = packer.unpack(received)
+            rows["x"] = received_x
             source = _segment_ids(recv_splits)
             keep = (mask.cpu()[source] == 0) if mask is not None else torch.ones_like(source, dtype=torch.bool)
             local_expert = rows["expert"].long().cpu()
@@ -532,12 +536,14 @@ class ReferenceTransport(Transport):
         if use_logfmt:
             rows = logfmt_roundtrip(rows)
         packer = _Packer()
-        packer.add("x", rows)
         packer.add("token", src_info[expert_ids, positions])
         packer.add("expert", (expert_ids + topo.rank * experts_per_rank).to(torch.int32))
         send_splits = per_source.tolist()
         recv_splits = self._exchange_counts(per_source.view(num_ranks, 1),
                                             "low_latency_combine (count exchange)").view(-1).tolist()
+        received_x = rows.new_empty((sum(recv_splits), hidden))
+        pending_x = self.group.all_to_all(received_x, rows, recv_splits, send_splits,
+                                          "low_latency_combine (data exchange)")
         pending = self._exchange_rows(packer.pack(total, x.device), send_splits, recv_splits,
                                       "low_latency_combine (data exchange)")
         num_tokens = topk_idx.shape[0]
@@ -545,11 +551,12 @@ class ReferenceTransport(Transport):
         def receive() -> None:
             started = _now_ns()
             received = pending.wait()
+            pending_x.wait()
             waited = _now_ns() - started
             back = packer.unpack(received)
             token = back["token"].long().to(out.device)
             expert = back["expert"].long().to(out.device)
-            values = back["x"].to(out.device)
+            values = received_x.to(out.device)
             # look up the row of every (token, slot) selection by its key expert * T + token
             keys = expert * max(num_tokens, 1) + token
             order = torch.argsort(keys, stable=True)
