@@ -272,7 +272,7 @@ class _Ctx:
     def _series(self, fn: Callable[[], Any], barrier_each: bool) -> Tuple[List[float], List[float]]:
         """Seconds of each of `iters` calls, events around each call (GPU) or the host clock (CPU), and the
         host seconds of each call."""
-        times, host = [], []
+        host: List[float] = []
         events = []
         for _ in range(self.plan["iters"]):
             if barrier_each:
