@@ -101,9 +101,13 @@ class _Route(NamedTuple):
     recv_splits: List[int]      # rows received from each rank
 
 
-def _route(is_token_in_rank: torch.Tensor, recv_splits: Sequence[int]) -> _Route:
+def _route(is_token_in_rank: torch.Tensor, recv_splits: Sequence[int],
+           send_splits: Optional[Sequence[int]] = None) -> _Route:
+    """The route of a dispatch; `send_splits` (the column sums of is_token_in_rank) when the host has them."""
     destination, token = is_token_in_rank.t().nonzero(as_tuple=True)
-    return _Route(destination, token, is_token_in_rank.sum(0).tolist(), [int(n) for n in recv_splits])
+    if send_splits is None:
+        send_splits = is_token_in_rank.sum(0).tolist()
+    return _Route(destination, token, [int(n) for n in send_splits], [int(n) for n in recv_splits])
 
 
 class ReferenceTransport(Transport):
@@ -231,7 +235,8 @@ class ReferenceTransport(Transport):
                              f"rank {topo.rank} receives")
         num_rows = num_worst_tokens or num_recv
 
-        route = _route(is_token_in_rank, recv_per_source.tolist())
+        # (num_tokens_per_rank, the column sums of is_token_in_rank, came to the host with the header)
+        route = _route(is_token_in_rank, recv_per_source.tolist(), gathered_per_rank[topo.rank, :num_ranks].tolist())
         recv = self._exchange_dispatch_rows(x, x_scales, topk_idx, topk_weights, is_token_in_rank, route, num_rows,
                                             "dispatch (data exchange)", with_token=True,
                                             with_node_mask=topo.is_internode)
