@@ -392,14 +392,12 @@ class ReferenceTransport(Transport):
         recv_per_source, send_back = route.recv_splits, route.send_splits
         num_recv = sum(recv_per_source)
         # the rows go back as they are (already grouped by source rank), the weights in a second exchange
-        values = x.new_empty((sum(send_back), x.shape[1]))
-        pending = self.group.all_to_all(values, x[:num_recv], send_back, recv_per_source, "combine (data exchange)")
+        pending = self._exchange_rows(x[:num_recv], recv_per_source, send_back, "combine (data exchange)")
         weights = None
         if topk_weights is not None:
-            weights = topk_weights.new_empty((values.shape[0], topk_weights.shape[1]))
-            self.group.all_to_all(weights, topk_weights[:num_recv], send_back, recv_per_source,
-                                  "combine (weight exchange)").wait()
-        pending.wait()
+            weights = self._exchange_rows(topk_weights[:num_recv], recv_per_source, send_back,
+                                          "combine (weight exchange)").wait()
+        values = pending.wait()
         token = route.token
 
         combined = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
@@ -467,9 +465,8 @@ class ReferenceTransport(Transport):
         packer.add("token", token.to(torch.int32))
         packer.add("expert", (expert % experts_per_rank).to(torch.int32))
         # the rows travel alone (no packing copy), the small per-row fields packed beside them
-        received_x = data.new_empty((sum(recv_splits), hidden))
-        pending_x = self.group.all_to_all(received_x, _take(data, token), recv_splits, send_splits,
-                                          "low_latency_dispatch (data exchange)")
+        pending_x = self._exchange_rows(_take(data, token), send_splits, recv_splits,
+                                        "low_latency_dispatch (data exchange)")
         pending = self._exchange_rows(packer.pack(token.numel(), x.device), send_splits, recv_splits,
                                       "low_latency_dispatch (data exchange)")
 
@@ -493,10 +490,9 @@ class ReferenceTransport(Transport):
         def receive() -> None:
             started = _now_ns()
             received = pending.wait()
-            pending_x.wait()
+            received_x = pending_x.wait()
             waited = _now_ns() - started
-            rows = packer.unpack(received)
-            rows["x"] = received_x
+            rows = dict(packer.unpack(received), x=received_x)
             source = _segment_ids(recv_splits)
             keep = (mask.cpu()[source] == 0) if mask is not None else torch.ones_like(source, dtype=torch.bool)
             local_expert = rows["expert"].long().cpu()
@@ -546,9 +542,7 @@ class ReferenceTransport(Transport):
         send_splits = per_source.tolist()
         recv_splits = self._exchange_counts(per_source.view(num_ranks, 1),
                                             "low_latency_combine (count exchange)").view(-1).tolist()
-        received_x = rows.new_empty((sum(recv_splits), hidden))
-        pending_x = self.group.all_to_all(received_x, rows, recv_splits, send_splits,
-                                          "low_latency_combine (data exchange)")
+        pending_x = self._exchange_rows(rows, send_splits, recv_splits, "low_latency_combine (data exchange)")
         pending = self._exchange_rows(packer.pack(total, x.device), send_splits, recv_splits,
                                       "low_latency_combine (data exchange)")
         num_tokens = topk_idx.shape[0]
@@ -556,7 +550,7 @@ class ReferenceTransport(Transport):
         def receive() -> None:
             started = _now_ns()
             received = pending.wait()
-            pending_x.wait()
+            received_x = pending_x.wait()
             waited = _now_ns() - started
             back = packer.unpack(received)
             token = back["token"].long().to(out.device)
