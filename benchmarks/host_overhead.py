@@ -1,7 +1,10 @@
 """Host cost of deep_ep calls: how long the host takes to enqueue one call, per operation (calls back to
 back; none of them waits for the GPU), and where that time goes (cProfile of rank 0).
 
-  python benchmarks/host_overhead.py [--calls 50] [--profile] [--transport nvlink] [--ranks 2]
+  python benchmarks/host_overhead.py [--calls 50] [--profile] [--breakdown] [--transport nvlink] [--ranks 2]
+
+--breakdown times the layers of each call (the Buffer's checks, the comm-stream handling, the transport,
+its kernel launches) with a timer around each, which costs far less than cProfile's per-function hooks.
 
 Normal mode at the DeepSeek training shape (4096 tokens, hidden 7168, top-8, 256 experts) and low-latency
 mode at the decode shape (128 tokens, top-8, 288 experts), eager calls. A call's host time is hidden
@@ -24,8 +27,50 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# (owner, attribute) of the layers --breakdown times: each call's time includes the layers below it
+LAYERS = (("deep_ep.buffer:Buffer", ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch",
+                                     "low_latency_combine")),
+          ("deep_ep.streams:CommStream", ("run",)),
+          ("deep_ep.transport.nvlink:NVLinkTransport", ("get_dispatch_layout", "dispatch", "cached_dispatch",
+                                                        "combine", "_run_dispatch", "_plan", "_begin")),
+          ("deep_ep.transport.nvlink.low_latency:NVLinkLowLatency", ("dispatch", "combine")),
+          ("deep_ep.transport.nvlink", ("launch",)),
+          ("deep_ep.transport.nvlink.low_latency", ("launch",)))
 PROFILED = ("get_dispatch_layout", "cached dispatch BF16", "combine", "low_latency_dispatch FP8",
             "low_latency_combine")
+
+
+class _Layers:
+    """Wraps the functions of LAYERS with timers; `totals` maps 'owner.name' to (calls, ns)."""
+
+    def __init__(self) -> None:
+        import importlib
+        self.totals = {}
+        for owner, names in LAYERS:
+            module, _, cls = owner.partition(":")
+            target = importlib.import_module(module)
+            target = getattr(target, cls) if cls else target
+            for name in names:
+                setattr(target, name, self._timed(f"{cls or module.rsplit('.', 1)[-1]}.{name}",
+                                                  getattr(target, name)))
+
+    def _timed(self, label, fn):
+        totals = self.totals
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                calls, ns = totals.get(label, (0, 0))
+                totals[label] = (calls + 1, ns + time.perf_counter_ns() - start)
+        return timed
+
+    def report(self, calls: int):
+        """'layer: us per operation call' for the layers that ran, then clear."""
+        out = [f"{label} {ns / calls / 1e3:.1f} ({count / calls:g}x)" for label, (count, ns) in self.totals.items()]
+        self.totals.clear()
+        return "; ".join(out)
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -39,6 +84,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=R)
     import deep_ep
     from deep_ep.fp8 import per_token_cast_to_fp8
+    layers = _Layers() if args.breakdown else None
     T, H, K, E = 4096, 7168, 8, 256
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
@@ -96,6 +142,13 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         torch.cuda.synchronize()
         event_us = statistics.median(begin.elapsed_time(end) * 1e3 for begin, end in events)
         lines.append(f"  {name:28s} {host_us:8.1f} {event_us:10.1f}")
+        if layers is not None:
+            layers.totals.clear()
+            dist.barrier()
+            for _ in range(args.calls):
+                fn()
+            lines.append(f"    layers, us per call: {layers.report(args.calls)}")
+            torch.cuda.synchronize()
         if args.profile and name in PROFILED:
             # every rank repeats the calls (their kernels wait for each other); rank 0 profiles them
             dist.barrier()
@@ -124,6 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of rank 0")
+    parser.add_argument("--breakdown", action="store_true", help="also time the layers of each call (rank 0's)")
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--ranks", type=int, default=min(2, torch.cuda.device_count()),
                         help="processes (placed round-robin on the GPUs; gloo group when they share GPUs)")

@@ -34,6 +34,7 @@ from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology
 from ..base import DispatchOutput, Transport
 from ..reference import ReferenceTransport
+from .launcher import Pointer, launch
 
 CMAX = 64                      # most channels (num_sms / 2) an operation may use
 MAX_EXPERTS_PER_RANK = 1024
@@ -211,11 +212,10 @@ class NVLinkTransport(Transport):
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
         in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=self.device)
         block_t = 64
-        layout_kernel[(max(1, -(-num_tokens // block_t)),)](
-            topk_idx, self.layout_sums, self.layout_done, per_rank, per_expert, in_rank.view(torch.int8),
-            self.layout_bad, num_tokens, num_experts, num_experts // R, K=topk, R=R, BLOCK_T=block_t,
-            BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
-            BLOCK_E=_next_pow2(num_experts + 1) if num_experts <= HISTOGRAM_MAX else 0, COPY=COPY_BLOCK, num_warps=4)
+        launch(layout_kernel, (max(1, -(-num_tokens // block_t)),), topk_idx, self.layout_sums, self.layout_done,
+               per_rank, per_expert, Pointer(in_rank, torch.int8), self.layout_bad, num_tokens, num_experts,
+               num_experts // R, K=topk, R=R, BLOCK_T=block_t, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
+               BLOCK_E=_next_pow2(num_experts + 1) if num_experts <= HISTOGRAM_MAX else 0, COPY=COPY_BLOCK, num_warps=4)
         return per_rank, None, per_expert, in_rank
 
     # ---- dispatch ------------------------------------------------------------------------------------------
@@ -236,26 +236,26 @@ class NVLinkTransport(Transport):
         send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=dev)
         channel_counts = torch.empty((R, C), dtype=torch.int32, device=dev)
         checks, mismatch = self.scratch[:4], self.scratch[4:]
-        in_rank = is_token_in_rank.view(torch.int8)
+        in_rank = Pointer(is_token_in_rank, torch.int8)
         ids = torch.zeros(1, dtype=torch.int64, device=dev) if topk_idx is None else topk_idx
-        prepare_kernel[(R + 1,)](in_rank, num_tokens_per_rank, ids, self.layout_bad, before, send_head, channel_counts,
-                                 mismatch, checks, self.epoch, num_tokens, 0 if topk_idx is None else topk_idx.numel(),
-                                 num_experts, C, 1 if num_worst_tokens else 0, R=R, BLOCK=1024,
-                                 BLOCK_C=_next_pow2(C), BLOCK_IDS=8192, num_warps=8)
+        launch(prepare_kernel, (R + 1,), in_rank, num_tokens_per_rank, ids, self.layout_bad, before, send_head,
+               channel_counts, mismatch, checks, self.epoch, num_tokens, 0 if topk_idx is None else topk_idx.numel(),
+               num_experts, C, 1 if num_worst_tokens else 0, R=R, BLOCK=1024, BLOCK_C=_next_pow2(C), BLOCK_IDS=8192,
+               num_warps=8)
         record_len = 2 + R + experts_per_rank + C
         received = torch.empty((R, record_len), dtype=torch.int32, device=dev)
-        notify_kernel[(R,)](before[num_tokens], num_tokens_per_expert, channel_counts, mismatch, checks, signature,
-                            received, self.peers.bases, self.notify_word, self.record_word, self.epoch, self.status,
-                            rank, self.timeout_ns, experts_per_rank, C, R=R, REC=record_len,
-                            STRIDE=self.record_max, BLOCK=_next_pow2(record_len), BLOCK_R=_next_pow2(R), num_warps=4)
+        launch(notify_kernel, (R,), before[num_tokens], num_tokens_per_expert, channel_counts, mismatch, checks,
+               signature, received, self.peers.bases, self.notify_word, self.record_word, self.epoch, self.status, rank,
+               self.timeout_ns, experts_per_rank, C, R=R, REC=record_len, STRIDE=self.record_max,
+               BLOCK=_next_pow2(record_len), BLOCK_R=_next_pow2(R), num_warps=4)
         tables = torch.empty(R + 1 + 4 * R * C + R * R + 2 * R, dtype=torch.int32, device=dev)
         prefix, recv_count, recv_base, recv_channel_prefix, channel_prefix, rank_prefix_matrix, push_row0, \
             combine_row0 = _split(tables, [(R + 1,), (R, C), (R, C), (R, C), (R, C), (R, R), (R,), (R,)])
         payload = torch.empty(1 + experts_per_rank + 2 * R + 6, dtype=torch.int64, device=dev)
-        plan_kernel[(1,)](received, channel_counts, prefix, recv_count, recv_base, rank_prefix_matrix, channel_prefix,
-                          recv_channel_prefix, push_row0, combine_row0, payload, checks, rank, experts_per_rank,
-                          expert_alignment, REC=record_len, R=R, C=C, BLOCK_R=_next_pow2(R), BLOCK_C=_next_pow2(C),
-                          BLOCK_E=_next_pow2(experts_per_rank), num_warps=4)
+        launch(plan_kernel, (1,), received, channel_counts, prefix, recv_count, recv_base, rank_prefix_matrix,
+               channel_prefix, recv_channel_prefix, push_row0, combine_row0, payload, checks, rank, experts_per_rank,
+               expert_alignment, REC=record_len, R=R, C=C, BLOCK_R=_next_pow2(R), BLOCK_C=_next_pow2(C),
+               BLOCK_E=_next_pow2(experts_per_rank), num_warps=4)
         if num_worst_tokens:
             num_rows, aligned_list, most = num_worst_tokens, [], (None, None)
         else:
@@ -325,7 +325,7 @@ class NVLinkTransport(Transport):
         hidden_words, scale_words, topk, id_offset, slot_words, ring_words, ring_slots, batch = geometry
         if x.data_ptr() % 16:
             x = x.clone()      # the kernel moves rows in 16-byte vectors
-        words = x.view(torch.uint8).view(-1).view(torch.int32) if x.numel() else _dummy(dev)
+        words = Pointer(x, torch.int32) if x.numel() else _dummy(dev)
         scales = None if x_scales is None else x_scales.contiguous()
         recv_x = x.new_empty((num_rows, x.shape[1]))
         recv_scales = None if scales is None else scales.new_empty((num_rows, scale_words))
@@ -333,11 +333,11 @@ class NVLinkTransport(Transport):
         recv_weights = None if topk_weights is None else torch.empty((num_rows, topk), dtype=torch.float32, device=dev)
         recv_src = torch.empty(num_rows, dtype=torch.int32, device=dev)
         dummy = recv_src
-        inputs = (words, dummy if scales is None else scales.view(torch.int32), dummy if topk_idx is None else topk_idx,
-                  dummy if topk_weights is None else topk_weights, is_token_in_rank.view(torch.int8), plan.before,
-                  plan.recv_count, plan.recv_base, plan.prefix)
-        outputs = (recv_x.view(torch.uint8).view(-1).view(torch.int32) if recv_x.numel() else dummy,
-                   dummy if recv_scales is None else recv_scales.view(torch.int32),
+        inputs = (words, dummy if scales is None else Pointer(scales, torch.int32),
+                  dummy if topk_idx is None else topk_idx, dummy if topk_weights is None else topk_weights,
+                  Pointer(is_token_in_rank, torch.int8), plan.before, plan.recv_count, plan.recv_base, plan.prefix)
+        outputs = (Pointer(recv_x, torch.int32) if recv_x.numel() else dummy,
+                   dummy if recv_scales is None else Pointer(recv_scales, torch.int32),
                    dummy if recv_idx is None else recv_idx, dummy if recv_weights is None else recv_weights, recv_src,
                    self.peers.bases, self.status, x.shape[0], num_rows, topo.rank, expert_begin,
                    max(experts_per_rank, 1))
@@ -347,14 +347,14 @@ class NVLinkTransport(Transport):
                       ROWS=_rows_per_step(hidden_words, DISPATCH_TILE), num_warps=NUM_WARPS)
         if self._fits_whole(plan.max_recv_rows, slot_words):
             from .direct import direct_dispatch_kernel
-            direct_dispatch_kernel[(2 * C,)](*inputs, plan.push_row0, *outputs, self.arrive_word, self.ops_word,
-                                             self.done_word, self.ticket_word, self.ring_word, slot_words,
-                                             self._capacity(slot_words), self.timeout_ns, C=C, AMAX=2 * CMAX, **shapes)
+            launch(direct_dispatch_kernel, (2 * C,), *inputs, plan.push_row0, *outputs, self.arrive_word, self.ops_word,
+                   self.done_word, self.ticket_word, self.ring_word, slot_words, self._capacity(slot_words),
+                   self.timeout_ns, C=C, AMAX=2 * CMAX, **shapes)
         else:
-            dispatch_kernel[(2 * C,)](*inputs, *outputs, self.tail_word, self.head_word, self.sent_word,
-                                      self.recvd_word, self.ops_word, self.done_word, self.ticket_word, self.ring_word,
-                                      ring_words, slot_words, ring_slots, batch, self.timeout_ns, C=C, CMAX=CMAX,
-                                      OWN_BY_SENDER=OWN_ROWS == "sender", **shapes)
+            launch(dispatch_kernel, (2 * C,), *inputs, *outputs, self.tail_word, self.head_word, self.sent_word,
+                   self.recvd_word, self.ops_word, self.done_word, self.ticket_word, self.ring_word, ring_words,
+                   slot_words, ring_slots, batch, self.timeout_ns, C=C, CMAX=CMAX, OWN_BY_SENDER=OWN_ROWS == "sender",
+                   **shapes)
         return DispatchOutput(recv_x, recv_scales, recv_idx, recv_weights, None, recv_src)
 
     # ---- combine ---------------------------------------------------------------------------------------------
@@ -384,17 +384,15 @@ class NVLinkTransport(Transport):
                       BLOCK_R=_next_pow2(R), ROWS=_rows_per_step(hidden, COMBINE_TILE), num_warps=NUM_WARPS)
         if self._fits_whole(plan.max_send_rows, slot_words):
             from .direct import direct_combine_kernel
-            direct_combine_kernel[(2 * C,)](x, weights, in_rank.view(torch.int8), plan.before, plan.prefix,
-                                            plan.combine_row0, bias0, bias1, *outputs, self.arrive_word,
-                                            self.ops_word, self.done_word, self.ticket_word, self.ring_word,
-                                            slot_words, self._capacity(slot_words), self.timeout_ns, AMAX=2 * CMAX,
-                                            BLOCK_P=_next_pow2(2 * C), **shapes)
+            launch(direct_combine_kernel, (2 * C,), x, weights, Pointer(in_rank, torch.int8), plan.before, plan.prefix,
+                   plan.combine_row0, bias0, bias1, *outputs, self.arrive_word, self.ops_word, self.done_word,
+                   self.ticket_word, self.ring_word, slot_words, self._capacity(slot_words), self.timeout_ns,
+                   AMAX=2 * CMAX, BLOCK_P=_next_pow2(2 * C), **shapes)
         else:
-            combine_kernel[(2 * C,)](x, weights, in_rank.view(torch.int8), plan.before, plan.recv_count,
-                                     plan.recv_base, plan.prefix, bias0, bias1, *outputs, self.tail_word,
-                                     self.head_word, self.sent_word, self.recvd_word, self.ops_word, self.done_word,
-                                     self.ticket_word, self.ring_word, ring_words, slot_words, ring_slots, batch,
-                                     self.timeout_ns, C=C, CMAX=CMAX, **shapes)
+            launch(combine_kernel, (2 * C,), x, weights, Pointer(in_rank, torch.int8), plan.before, plan.recv_count,
+                   plan.recv_base, plan.prefix, bias0, bias1, *outputs, self.tail_word, self.head_word, self.sent_word,
+                   self.recvd_word, self.ops_word, self.done_word, self.ticket_word, self.ring_word, ring_words,
+                   slot_words, ring_slots, batch, self.timeout_ns, C=C, CMAX=CMAX, **shapes)
         return combined, combined_weights
 
     # ---- low latency (low_latency.py) ----------------------------------------------------------------------

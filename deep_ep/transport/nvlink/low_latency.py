@@ -28,6 +28,7 @@ from ...config import LowLatencyLayout, _round_up
 from ...fp8 import num_scale_groups
 from ...group import Group, Topology
 from ..base import LowLatencyDispatchOutput, LowLatencyOptions
+from .launcher import Pointer, launch
 
 NUM_SENDERS = int(os.environ.get("DEEP_EP_LL_SENDERS", "128"))   # send programs; the same on every rank
 NUM_WARPS = int(os.environ.get("DEEP_EP_LL_NUM_WARPS", "8"))
@@ -187,23 +188,22 @@ class NVLinkLowLatency:
         route = torch.empty(plan["table_shape"], dtype=torch.int32, device=dev)
         mask = self._no_words if mask is None else mask.clone()   # the mask as of this call, also for its receive
         outputs = dict(stats_ptr=self._no_longs if wait_stats is None else wait_stats,
-                       out_x_ptr=recv_x.view(torch.int32),
-                       out_scales_ptr=self._no_words if recv_scales is None else recv_scales.view(torch.int32),
+                       out_x_ptr=Pointer(recv_x, torch.int32),
+                       out_scales_ptr=self._no_words if recv_scales is None else Pointer(recv_scales, torch.int32),
                        src_info_ptr=src_info, route_ptr=route, layout_ptr=layout_range, count_ptr=recv_count,
                        mask_ptr=mask)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         self._remember(src_info, route, topk)
         if not hook and self.can_fuse and num_tokens <= FUSED_MAX_TOKENS:
-            ll_dispatch_kernel[(NUM_SENDERS,)](x_ptr=x, idx_ptr=topk_idx, num_tokens=num_tokens, **plan["send"],
-                                               **plan["receive_only"], **outputs, num_warps=NUM_WARPS,
-                                               launch_cooperative_grid=True)
+            launch(ll_dispatch_kernel, (NUM_SENDERS,), x_ptr=x, idx_ptr=topk_idx, num_tokens=num_tokens, **plan["send"],
+                   **plan["receive_only"], **outputs, num_warps=NUM_WARPS, launch_cooperative_grid=True)
             return output, _nothing
-        ll_dispatch_send_kernel[(NUM_SENDERS,)](x_ptr=x, idx_ptr=topk_idx, num_tokens=num_tokens, mask_ptr=mask,
-                                                **plan["send"], num_warps=NUM_WARPS)
+        launch(ll_dispatch_send_kernel, (NUM_SENDERS,), x_ptr=x, idx_ptr=topk_idx, num_tokens=num_tokens, mask_ptr=mask,
+               **plan["send"], num_warps=NUM_WARPS)
         receive_args, receive_grid = dict(plan["receive"], **outputs), plan["receive_grid"]
 
         def receive() -> None:   # (keeps only the receive's arguments alive)
-            ll_dispatch_recv_kernel[receive_grid](**receive_args, num_warps=NUM_WARPS)
+            launch(ll_dispatch_recv_kernel, receive_grid, **receive_args, num_warps=NUM_WARPS)
         return output, receive
 
     def _counters(self, geometry: _Geometry, half: int):
@@ -244,15 +244,15 @@ class NVLinkLowLatency:
         per_call = dict(idx_ptr=topk_idx, weights_ptr=topk_weights, out_ptr=out, num_tokens=num_tokens,
                         stats_ptr=self._no_longs if wait_stats is None else wait_stats)
         if not hook and self.can_fuse and num_tokens <= FUSED_MAX_TOKENS:   # compiled without FMA, as the reference
-            ll_combine_kernel[(NUM_SENDERS,)](**send, **plan["receive_only"], **per_call, num_warps=NUM_WARPS,
-                                              enable_fp_fusion=False, launch_cooperative_grid=True)
+            launch(ll_combine_kernel, (NUM_SENDERS,), **send, **plan["receive_only"], **per_call, num_warps=NUM_WARPS,
+                   enable_fp_fusion=False, launch_cooperative_grid=True)
             return _nothing
-        ll_combine_send_kernel[(NUM_SENDERS,)](**send, num_warps=NUM_WARPS, enable_fp_fusion=not use_logfmt)
+        launch(ll_combine_send_kernel, (NUM_SENDERS,), **send, num_warps=NUM_WARPS, enable_fp_fusion=not use_logfmt)
         receive_args = dict(plan["receive"], mask_ptr=mask, **per_call)   # the hook keeps only these alive
         receive_grid = (max(1, min(num_tokens * -(-hidden // plan["chunk"]), 2 * self.num_sms)),)
 
         def receive() -> None:
-            ll_combine_recv_kernel[receive_grid](**receive_args, num_warps=NUM_WARPS, enable_fp_fusion=False)
+            launch(ll_combine_recv_kernel, receive_grid, **receive_args, num_warps=NUM_WARPS, enable_fp_fusion=False)
         return receive
 
     def _combine_plan(self, num_max_tokens: int, hidden: int, experts_per_rank: int, topk: int, use_logfmt: bool,
