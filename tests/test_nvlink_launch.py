@@ -1,13 +1,15 @@
-"""The NVLink transport's kernel launcher (deep_ep/transport/nvlink/launcher.py) on the GPU (skipped elsewhere):
-launches through the compiled-kernel cache give what Triton's own launch gives, also when the arguments
-change what Triton specialises on (pointer alignment, an int that is 1 or a multiple of 16, int width)."""
+"""The NVLink transport's kernel launcher (deep_ep/transport/nvlink/launcher.py).
+
+On CPU: which calls reach Triton's own path and which the cache, with a stand-in for a compiled kernel. On the
+GPU (marked): launches through the cache give what Triton's own launch gives, also when the arguments change
+what Triton specialises on (pointer alignment, an int that is 1 or a multiple of 16, int width)."""
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
-
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
+
+from deep_ep.transport.nvlink import launcher  # noqa: E402
 
 
 @triton.jit
@@ -21,20 +23,98 @@ def _scaled_copy(src_ptr, dst_ptr, num, scale, offset, BLOCK: tl.constexpr, NEGA
         tl.store(dst_ptr + start + i, value, mask=live)
 
 
+class _Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](...)` (Triton's path) is counted and returns a
+    stand-in compiled kernel whose `run` records what the cache passed it."""
+
+    def __init__(self, fn):
+        self.params = fn.params
+        self.triton_calls = []
+        self.runs = []
+        self.compiled = self
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.triton_calls.append((grid, args, kwargs))
+            return self.compiled
+        return call
+
+    # the compiled kernel's side
+    function, packed_metadata = "function", "metadata"
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(launcher, "ENABLED", True)
+    return _Recorder(_scaled_copy)
+
+
+def test_cache_reuses_a_compiled_kernel_only_for_the_same_specialisation(recorder):
+    src = torch.zeros(64, dtype=torch.int32)
+    dst = torch.zeros(64, dtype=torch.int32)
+
+    def call(source=src, num=64, scale=3, offset=7, negate=False, warps=4):
+        launcher.launch(recorder, (2,), source, dst, num, scale, offset, BLOCK=32, NEGATE=negate, num_warps=warps)
+
+    call()
+    assert len(recorder.triton_calls) == 1 and not recorder.runs
+    call()   # same specialisation: the cached kernel, with raw pointers and the constexprs in place
+    assert len(recorder.triton_calls) == 1 and len(recorder.runs) == 1
+    grid_x, grid_y, grid_z, stream, function, metadata, launch_metadata, enter, leave, *values = recorder.runs[0]
+    assert (grid_x, grid_y, grid_z, stream, function, metadata) == (2, 1, 1, 1234, "function", "metadata")
+    assert (launch_metadata, enter, leave) == (None, None, None)
+    assert values == [src.data_ptr(), dst.data_ptr(), 64, 3, 7, 32, False]
+    call(scale=5, offset=-9, num=48)   # other values of the same classes: still cached
+    assert len(recorder.triton_calls) == 1 and len(recorder.runs) == 2
+    # each of these changes what Triton specialises on, so it goes through Triton once, then is cached
+    changes = [dict(source=src[1:]),          # pointer no longer 16-byte aligned
+               dict(source=src.float()),      # another dtype
+               dict(num=1), dict(num=17),     # an int equal to 1; not a multiple of 16
+               dict(offset=2 ** 40),          # a 64-bit int
+               dict(negate=True),             # a constexpr
+               dict(warps=8)]                 # an option
+    for change in changes:
+        before = len(recorder.triton_calls)
+        call(**change)
+        call(**change)
+        assert len(recorder.triton_calls) == before + 1, change
+
+
+def test_hooks_and_missing_arguments_go_through_triton(recorder, monkeypatch):
+    src = torch.zeros(8, dtype=torch.int32)
+    launcher.launch(recorder, (1,), src, src, 8, 2, 0, BLOCK=8, NEGATE=False)
+    launcher.launch(recorder, (1,), src, src, 8, 2, 0, BLOCK=8)   # NEGATE missing: Triton reports it
+    assert len(recorder.triton_calls) == 2 and not recorder.runs
+    monkeypatch.setattr(launcher, "_hooks_set", lambda: True)   # a profiler's launch hook
+    launcher.launch(recorder, (1,), src, src, 8, 2, 0, BLOCK=8, NEGATE=False)
+    assert len(recorder.triton_calls) == 3 and not recorder.runs
+
+
+def test_pointer_is_a_typed_raw_address():
+    words = torch.arange(16, dtype=torch.int16)
+    pointer = launcher.Pointer(words, torch.int32)
+    assert pointer.data_ptr() == words.data_ptr() and pointer.dtype == torch.int32
+
+
 def _expected(src, num, scale, offset, negate):
     out = src[:num] * scale + (offset % 1000)
     return -out if negate else out
 
 
 @pytest.fixture
-def device():
+def device():   # the GPU tests below
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     return torch.device("cuda", torch.cuda.current_device())
 
 
+@pytest.mark.gpu
 def test_launch_matches_triton_across_specialisations(device):
-    from deep_ep.transport.nvlink import launcher
     for key in [key for key in launcher._compiled if key[0] == id(_scaled_copy)]:
         del launcher._compiled[key]
     gen = torch.Generator(device="cpu").manual_seed(torch.seed() % 2 ** 31)
@@ -60,8 +140,9 @@ def test_launch_matches_triton_across_specialisations(device):
     assert len(keys) == len(cases) - 1 or not launcher.ENABLED
 
 
+@pytest.mark.gpu
 def test_launch_by_keywords_and_in_a_cuda_graph(device):
-    from deep_ep.transport.nvlink.launcher import launch
+    launch = launcher.launch
     src = torch.randint(-50, 50, (300,), dtype=torch.int32, device=device)
     dst = torch.zeros(300, dtype=torch.int32, device=device)
     kwargs = dict(src_ptr=src, dst_ptr=dst, num=300, scale=-2, offset=9, BLOCK=128, NEGATE=False)
@@ -82,8 +163,9 @@ def test_launch_by_keywords_and_in_a_cuda_graph(device):
         assert torch.equal(dst, src * -2 + 9)
 
 
+@pytest.mark.gpu
 def test_launch_with_a_hook_goes_through_triton(device):
-    from deep_ep.transport.nvlink.launcher import launch
+    launch = launcher.launch
     seen = []
     runtime = triton.knobs.runtime
     chain = runtime.launch_enter_hook
