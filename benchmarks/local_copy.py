@@ -4,20 +4,25 @@
 
 The direct dispatch copies the rows it received from its buffer into `recv_x` after the push (~65 us for
 58.7 MB with 24 programs, `benchmarks/sweep_normal.py --num-ranks 1`). This prints, for the same rows:
-- a contiguous device-to-device copy (`Tensor.copy_`, which CUDA may serve with its copy engines, using
-  no SMs);
+- a contiguous device-to-device copy (`Tensor.copy_`);
 - the copy from the direct protocol's slots (rows `slot_words` apart, with scales, ids and weights after the
   data) into a dense `recv_x`, as torch does it (an elementwise copy kernel on all SMs);
 - the same copy by one Triton kernel with 24 programs.
 Each is the median of `triton.testing.do_bench` (L2 cleared before each run), with the bytes read + written.
+Last, the two torch copies while another stream's kernel holds every SM's threads for 2 ms: a copy that
+takes about as long as alone ran on the copy engines; one that takes ~2 ms needed SMs.
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+HOLD_NS = 2_000_000
 
 
 @triton.jit
@@ -29,6 +34,32 @@ def _copy_rows(src_ptr, dst_ptr, num_rows, src_stride, W: tl.constexpr, BLOCK: t
         live = (r < num_rows)[:, None] & (offs[None, :] < W)
         tile = tl.load(src_ptr + r[:, None] * src_stride + offs[None, :], mask=live)
         tl.store(dst_ptr + r[:, None] * W + offs[None, :], tile, mask=live)
+
+
+@triton.jit
+def _hold(duration_ns):
+    """Keeps its program resident for `duration_ns`."""
+    start = globaltimer()
+    spins = 0
+    while globaltimer() - start < duration_ns:
+        spins += 1
+
+
+def _time_while_sms_are_held(fn, device: torch.device) -> float:
+    """us that `fn` (on its own stream) takes while a kernel holding every SM's threads runs."""
+    holder, worker = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count   # 2 x 1024 threads per SM
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(holder):
+        _hold[(programs,)](HOLD_NS, num_warps=32)
+    time.sleep(HOLD_NS / 4e9)   # the holder's programs are resident before the copy is queued
+    with torch.cuda.stream(worker):
+        begin.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return begin.elapsed_time(end) * 1e3
 
 
 def main() -> None:
@@ -50,7 +81,7 @@ def main() -> None:
         _copy_rows[(args.programs,)](slots, out, T, slot_words, W=words, BLOCK=triton.next_power_of_2(words),
                                      ROWS=1, num_warps=16)
 
-    cases = {"contiguous copy_ (copy engine or driver's choice)": lambda: out.copy_(dense_src),
+    cases = {"contiguous copy_": lambda: out.copy_(dense_src),
              "strided slots -> dense, torch copy_": lambda: out.copy_(slots[:, :words]),
              f"strided slots -> dense, Triton, {args.programs} programs": kernel}
     print(f"{T} rows of {H} bf16 ({T * H * 2 / 1e6:.1f} MB), median of do_bench")
@@ -61,6 +92,9 @@ def main() -> None:
         if name.startswith("strided"):
             assert torch.equal(out, dense_src), name
         print(f"  {name:55s} {us:8.1f} us  {moved / us / 1e3:7.0f} GB/s (read + write)")
+    for name in list(cases)[:2]:
+        print(f"  {name:55s} {_time_while_sms_are_held(cases[name], device):8.1f} us while every SM is held "
+              f"for {HOLD_NS / 1e3:.0f} us")
 
 
 if __name__ == "__main__":
