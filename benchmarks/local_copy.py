@@ -7,7 +7,8 @@ The direct dispatch copies the rows it received from its buffer into `recv_x` af
 - a contiguous device-to-device copy (`Tensor.copy_`);
 - the copy from the direct protocol's slots (rows `slot_words` apart, with scales, ids and weights after the
   data) into a dense `recv_x`, as torch does it (an elementwise copy kernel on all SMs);
-- the same copy by one Triton kernel with 24 programs.
+- the same copy by one Triton kernel with 24 programs: plain loads and stores, and TMA bulk copies
+  (tensor descriptors: the copy engine of each SM, which moves a whole tile per instruction).
 Each is the median of `triton.testing.do_bench` (L2 cleared before each run), with the bytes read + written.
 Last, the two torch copies while another stream's kernel holds every SM's threads for 2 ms: a copy that
 takes about as long as alone ran on the copy engines; one that takes ~2 ms needed SMs.
@@ -34,6 +35,13 @@ def _copy_rows(src_ptr, dst_ptr, num_rows, src_stride, W: tl.constexpr, BLOCK: t
         live = (r < num_rows)[:, None] & (offs[None, :] < W)
         tile = tl.load(src_ptr + r[:, None] * src_stride + offs[None, :], mask=live)
         tl.store(dst_ptr + r[:, None] * W + offs[None, :], tile, mask=live)
+
+
+@triton.jit
+def _copy_rows_tma(src_desc, dst_desc, num_rows, W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    for row in range(tl.program_id(0) * BR, num_rows, tl.num_programs(0) * BR):
+        for col in tl.static_range(0, W, BC):
+            dst_desc.store([row, col], src_desc.load([row, col]))
 
 
 @triton.jit
@@ -81,16 +89,27 @@ def main() -> None:
         _copy_rows[(args.programs,)](slots, out, T, slot_words, W=words, BLOCK=triton.next_power_of_2(words),
                                      ROWS=1, num_warps=16)
 
+    def tma_kernel(rows: int, cols: int, warps: int):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        source = TensorDescriptor(slots, [T, words], [slot_words, 1], [rows, cols])
+        target = TensorDescriptor(out, [T, words], [words, 1], [rows, cols])
+        return lambda: _copy_rows_tma[(args.programs,)](source, target, T, W=words, BR=rows, BC=cols,
+                                                        num_warps=warps)
+
     cases = {"contiguous copy_": lambda: out.copy_(dense_src),
              "strided slots -> dense, torch copy_": lambda: out.copy_(slots[:, :words]),
              f"strided slots -> dense, Triton, {args.programs} programs": kernel}
+    if words % 256 == 0:
+        for rows, cols, warps in ((1, 256, 4), (2, 256, 4), (4, 256, 4), (8, 256, 8), (16, 256, 8)):
+            cases[f"... TMA tiles {rows} x {cols} words, {warps} warps"] = tma_kernel(rows, cols, warps)
     print(f"{T} rows of {H} bf16 ({T * H * 2 / 1e6:.1f} MB), median of do_bench")
     for name, fn in cases.items():
         fn()
         torch.cuda.synchronize()
         us = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-        if name.startswith("strided"):
+        if not name.startswith("contiguous"):
             assert torch.equal(out, dense_src), name
+            out.zero_()
         print(f"  {name:55s} {us:8.1f} us  {moved / us / 1e3:7.0f} GB/s (read + write)")
     for name in list(cases)[:2]:
         print(f"  {name:55s} {_time_while_sms_are_held(cases[name], device):8.1f} us while every SM is held "
