@@ -10,6 +10,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from deep_ep.transport.nvlink import launcher  # noqa: E402
+from randomness import base_seed, generator  # noqa: E402
 
 
 @triton.jit
@@ -63,14 +64,17 @@ def test_cache_reuses_a_compiled_kernel_only_for_the_same_specialisation(recorde
 
     call()
     assert len(recorder.triton_calls) == 1 and not recorder.runs
-    call()   # same specialisation: the cached kernel, with raw pointers and the constexprs in place
+    call()   # same specialisation: the cached kernel, the constexprs in place
     assert len(recorder.triton_calls) == 1 and len(recorder.runs) == 1
     grid_x, grid_y, grid_z, stream, function, metadata, launch_metadata, enter, leave, *values = recorder.runs[0]
     assert (grid_x, grid_y, grid_z, stream, function, metadata) == (2, 1, 1, 1234, "function", "metadata")
     assert (launch_metadata, enter, leave) == (None, None, None)
-    assert values == [src.data_ptr(), dst.data_ptr(), 64, 3, 7, 32, False]
+    # host tensors go as tensors (the launcher translates their addresses), a Pointer as its raw address
+    assert values[0] is src and values[1] is dst and values[2:] == [64, 3, 7, 32, False]
+    call(source=launcher.Pointer(src, torch.int32))   # the same dtype and alignment as src: cached
+    assert len(recorder.triton_calls) == 1 and recorder.runs[-1][9] == src.data_ptr()
     call(scale=5, offset=-9, num=48)   # other values of the same classes: still cached
-    assert len(recorder.triton_calls) == 1 and len(recorder.runs) == 2
+    assert len(recorder.triton_calls) == 1 and len(recorder.runs) == 3
     # each of these changes what Triton specialises on, so it goes through Triton once, then is cached
     changes = [dict(source=src[1:]),          # pointer no longer 16-byte aligned
                dict(source=src.float()),      # another dtype
@@ -83,6 +87,38 @@ def test_cache_reuses_a_compiled_kernel_only_for_the_same_specialisation(recorde
         call(**change)
         call(**change)
         assert len(recorder.triton_calls) == before + 1, change
+
+
+def test_values_triton_specialises_otherwise_are_not_cached(recorder):
+    """Int subclasses and tuples go through Triton's path every time; constexprs equal as values but of
+    different types (1, 1.0, True) get their own compiled kernels."""
+    import enum
+
+    class Level(enum.IntEnum):
+        ONE = 1
+        SEVENTEEN = 17
+
+    src = torch.zeros(8, dtype=torch.int32)
+    for value in (Level.ONE, Level.SEVENTEEN, Level.ONE, (1, 2), (16, 2)):
+        launcher.launch(recorder, (1,), src, src, 8, value, 0, BLOCK=8, NEGATE=False)
+    assert len(recorder.triton_calls) == 5 and not recorder.runs
+    for negate in (1, 1.0, True, 1, 1.0, True):
+        launcher.launch(recorder, (1,), src, src, 8, 2, 0, BLOCK=8, NEGATE=negate)
+    assert len(recorder.triton_calls) == 8 and len(recorder.runs) == 3
+
+
+def test_pointer_keeps_its_tensor_alive():
+    import gc
+    import weakref
+    tensor = torch.arange(16, dtype=torch.int16)
+    alive = weakref.ref(tensor)
+    pointer = launcher.Pointer(tensor, torch.int32)
+    del tensor
+    gc.collect()
+    assert alive() is not None, "a deferred launch would write into freed memory"
+    del pointer
+    gc.collect()
+    assert alive() is None
 
 
 def test_hooks_and_missing_arguments_go_through_triton(recorder, monkeypatch):
@@ -117,7 +153,8 @@ def device():   # the GPU tests below
 def test_launch_matches_triton_across_specialisations(device):
     for key in [key for key in launcher._compiled if key[0] == id(_scaled_copy)]:
         del launcher._compiled[key]
-    gen = torch.Generator(device="cpu").manual_seed(torch.seed() % 2 ** 31)
+    seed = base_seed()
+    gen = generator(seed, "launch")
     base = torch.randint(-1000, 1000, (4096 + 8,), generator=gen, dtype=torch.int32).to(device)
     cases = [  # (offset into base, num, scale, offset argument, negate)
         (0, 4096, 3, 7, False), (1, 4095, 3, 7, False),        # aligned, then a pointer 4 bytes off
@@ -129,11 +166,11 @@ def test_launch_matches_triton_across_specialisations(device):
             src = base[start:]
             dst = torch.full((num + 8,), -1, dtype=torch.int32, device=device)[start % 4:]
             if round_:
-                base.random_(-1000, 1000)
+                base.copy_(torch.randint(-1000, 1000, base.shape, generator=gen, dtype=torch.int32))
             launcher.launch(_scaled_copy, (1,), src, dst, num, scale, offset, BLOCK=1024, NEGATE=negate, num_warps=4)
             torch.cuda.synchronize(device)
             expected = _expected(src, num, scale, offset, negate)
-            assert torch.equal(dst[:num], expected), (round_, start, num, scale, offset, negate)
+            assert torch.equal(dst[:num], expected), (seed, round_, start, num, scale, offset, negate)
             assert torch.all(dst[num:] == -1), "wrote past num"
     keys = [key for key in launcher._compiled if key[0] == id(_scaled_copy)]
     # the launcher keeps one compiled kernel per distinct specialisation, the repeated case adds none
@@ -143,24 +180,26 @@ def test_launch_matches_triton_across_specialisations(device):
 @pytest.mark.gpu
 def test_launch_by_keywords_and_in_a_cuda_graph(device):
     launch = launcher.launch
-    src = torch.randint(-50, 50, (300,), dtype=torch.int32, device=device)
+    seed = base_seed()
+    gen = generator(seed, "keywords")
+    src = torch.randint(-50, 50, (300,), generator=gen, dtype=torch.int32).to(device)
     dst = torch.zeros(300, dtype=torch.int32, device=device)
     kwargs = dict(src_ptr=src, dst_ptr=dst, num=300, scale=-2, offset=9, BLOCK=128, NEGATE=False)
     launch(_scaled_copy, (1,), **kwargs, num_warps=4)
     launch(_scaled_copy, (1,), **kwargs, num_warps=4)
     torch.cuda.synchronize(device)
-    assert torch.equal(dst, src * -2 + 9)
+    assert torch.equal(dst, src * -2 + 9), seed
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
         with torch.cuda.graph(graph, stream=stream):
             launch(_scaled_copy, (1,), **kwargs, num_warps=4)
-    for _ in range(3):
-        src.random_(-50, 50)
+    for replay in range(3):
+        src.copy_(torch.randint(-50, 50, (300,), generator=gen, dtype=torch.int32))
         dst.zero_()
         graph.replay()
         torch.cuda.synchronize(device)
-        assert torch.equal(dst, src * -2 + 9)
+        assert torch.equal(dst, src * -2 + 9), (seed, replay)
 
 
 @pytest.mark.gpu

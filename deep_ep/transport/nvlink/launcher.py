@@ -7,39 +7,47 @@ host (benchmarks/host_overhead.py --breakdown), more than some of the kernels ta
 takes about 26 us there.
 
 `launch(fn, grid, *args, **kwargs)` does the same launch with less: the compiled kernel is looked up by a
-tuple of what Triton specialises on (each tensor's dtype and 16-byte alignment, each int's value class, the
-constexprs, the options), and tensors go to the launcher as raw pointers. The first call with a new key goes
-through Triton's own path, which compiles or finds the kernel and returns it, so Triton stays the judge of
-what a specialisation needs; the key here only has to be at least as fine as Triton's. Launch hooks (set by
-profilers) and DEEP_EP_FAST_LAUNCH=0 send every call through Triton's path.
+tuple of what Triton specialises on (each CUDA tensor's dtype and 16-byte alignment, each int's value class,
+the constexprs with their types, the options), and CUDA tensors go to the launcher as raw pointers (host
+tensors, such as pinned status words, as tensors: the launcher translates their addresses). The first
+call with a new key goes through Triton's own path, which compiles or finds the kernel and returns it, so
+Triton stays the judge of what a specialisation needs; the key here only has to be at least as fine as
+Triton's. Arguments of other kinds (tuples, int subclasses, tensor subclasses, ...), launch hooks (set by
+profilers), Triton's interpreter and DEEP_EP_FAST_LAUNCH=0 send the call through Triton's path. Like
+Triton's own cache, this one assumes the kernels' global constants do not change after their first launch.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import triton
 
-ENABLED = os.environ.get("DEEP_EP_FAST_LAUNCH", "1") != "0"
+ENABLED = os.environ.get("DEEP_EP_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") == "0"
+_PLAIN = (bool, float, type(None))   # runtime arguments keyed by their type alone (as Triton does)
 
 
 class _Signature:
-    """A kernel's parameters: names in order, which are constexpr."""
+    """A kernel's parameters: names in order, which are constexpr. Keeps the kernel alive, so that the
+    `id` that keys its compiled forms is never reused."""
 
     def __init__(self, fn: Any) -> None:
+        self.fn = fn
         self.names = [param.name for param in fn.params]
         self.index = {name: i for i, name in enumerate(self.names)}
         self.constexpr = [param.is_constexpr for param in fn.params]
 
 
 class Pointer:
-    """`Pointer(tensor, dtype)`: the tensor's memory as a kernel argument of another dtype, without a torch view (each view costs a few
-    us of host time). Triton's launch and `launch` take any object with `data_ptr()` and `dtype` as a
-    pointer. Like any argument, the tensor must stay allocated until the kernel has run."""
-    __slots__ = ("address", "dtype")
+    """`Pointer(tensor, dtype)`: a CUDA tensor's memory as a kernel argument of another dtype, without a torch
+    view (each view costs a few us of host time). Triton's launch and `launch` take any object with
+    `data_ptr()` and `dtype` as a pointer. Holds the tensor, so that a launch deferred in a closure (a
+    receive hook) keeps its memory allocated, as a view would."""
+    __slots__ = ("address", "dtype", "tensor")
 
     def __init__(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        self.tensor = tensor
         self.address = tensor.data_ptr()
         self.dtype = dtype
 
@@ -47,7 +55,7 @@ class Pointer:
         return self.address
 
 
-_signatures: Dict[Any, _Signature] = {}
+_signatures: Dict[int, Optional[_Signature]] = {}   # id(fn) -> its signature, None for kernels not cached
 _compiled: Dict[Tuple, Any] = {}
 
 
@@ -61,14 +69,20 @@ def _hooks_set() -> bool:
     return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
+def _signature(fn: Any) -> Optional[_Signature]:
+    key = id(fn)
+    if key not in _signatures:
+        _signatures[key] = _Signature(fn) if hasattr(fn, "params") else None
+    return _signatures[key]
+
+
 def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """`fn[grid](*args, **kwargs)` on the current stream; positional arguments first, in the kernel's order."""
-    if not ENABLED or _hooks_set():
+    """`fn[grid](*args, **kwargs)` on the current stream: `grid` a tuple of 1 to 3 ints; positional arguments
+    first, in the kernel's order."""
+    signature = _signature(fn) if ENABLED and not _hooks_set() else None
+    if signature is None:
         fn[grid](*args, **kwargs)
         return
-    signature = _signatures.get(id(fn))
-    if signature is None:
-        signature = _signatures[id(fn)] = _Signature(fn)
     values: List[Any] = list(args)
     values.extend([None] * (len(signature.names) - len(args)))
     options = []
@@ -87,17 +101,22 @@ def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     key: List[Any] = [id(fn), device, *options]
     append = key.append
     for position, (value, is_constexpr) in enumerate(zip(values, signature.constexpr)):
+        kind = value.__class__
         if is_constexpr:
-            append(value)
-        elif value.__class__ is int:
+            append((kind, value))
+        elif kind is int:
             append(value if -2 < value < 2 else (value & 15 == 0, -2 ** 31 <= value < 2 ** 31, value < 2 ** 63))
-        elif isinstance(value, torch.Tensor) or value.__class__ is Pointer:
+        elif kind is torch.Tensor or kind is Pointer:
             pointer = value.data_ptr()
             append(value.dtype)
             append(pointer & 15 == 0)
-            values[position] = pointer
-        else:   # bool, float, None
-            append(value if value is None else value.__class__)
+            if kind is Pointer or value.is_cuda:   # (host memory, e.g. pinned: the launcher translates it)
+                values[position] = pointer
+        elif kind in _PLAIN:
+            append(kind)
+        else:   # anything else (tuples, int subclasses, tensor subclasses, ...) is Triton's to specialise
+            fn[grid](*args, **kwargs)
+            return
     key_tuple = tuple(key)
     kernel = _compiled.get(key_tuple)
     if kernel is None:
