@@ -6,7 +6,8 @@
 #   bench: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py); normal mode at 24, 16 and 8
 #          SMs and low-latency mode (2 GPUs); on one GPU a short low-latency run with both ranks on it, which
 #          checks the benchmark's code paths (its times say nothing of NVLink)
-#   normal: tests/test_nvlink.py (and its comparisons again with the rings only); ll: the low-latency tests;
+#   normal: tests/test_nvlink.py and test_nvlink_launch.py (and the comparisons again with the rings only); ll: the
+#   low-latency tests;
 #   other: the rest of the suite
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -57,7 +58,8 @@ if has normal; then
     run_tests tests_nvlink_sweep tests/test_nvlink.py -k "sweep" &
     run_tests tests_nvlink_rings tests/test_nvlink.py -k "small_rings" &
     run_tests tests_nvlink_model tests/test_nvlink.py -k "matches_model" &
-    run_tests tests_nvlink_other tests/test_nvlink.py -k "not (sweep or small_rings or matches_model)" &
+    run_tests tests_nvlink_other tests/test_nvlink.py tests/test_nvlink_launch.py \
+        -k "not (sweep or small_rings or matches_model)" &
     DEEP_EP_NVLINK_DIRECT=0 DEEP_EP_NVLINK_OWN_ROWS=receiver run_tests tests_rings_only tests/test_nvlink.py \
         -k "sweep or small_rings" &
 fi
@@ -66,8 +68,8 @@ if has ll; then
     run_tests tests_ll_other tests/test_nvlink_low_latency.py tests/test_low_latency.py -k "not matches_reference" &
 fi
 if has other; then
-    run_tests tests_other tests --ignore=tests/test_nvlink.py --ignore=tests/test_nvlink_low_latency.py \
-        --ignore=tests/test_low_latency.py &
+    run_tests tests_other tests --ignore=tests/test_nvlink.py --ignore=tests/test_nvlink_launch.py \
+        --ignore=tests/test_nvlink_low_latency.py --ignore=tests/test_low_latency.py &
 fi
 wait
 

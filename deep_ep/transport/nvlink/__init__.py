@@ -11,7 +11,8 @@ buffer that holds one row per ring works. The direct protocol needs the counts t
 waits for; a num_worst_tokens dispatch on any rank, and its handle, use the rings. Nothing else waits on
 the host.
 Low-latency calls run on a second peer-mapped area (low_latency.py). An operation whose buffer size is 0
-goes to the reference transport.
+goes to the reference transport. Every kernel is launched through launcher.py (compiled kernels cached by
+specialisation: a fraction of Triton's host time per launch).
 
 Buffer layout (identical on every rank; counters int64, records int32):
   [NOTIFY[R] | TAIL[R][CMAX] | HEAD[R][CMAX] | SENT[R][CMAX] | RECVD[R][CMAX] | ARRIVE[R][2 CMAX] | DONE[R] |
