@@ -105,6 +105,8 @@ def test_values_triton_specialises_otherwise_are_not_cached(recorder):
     for negate in (1, 1.0, True, 1, 1.0, True):
         launcher.launch(recorder, (1,), src, src, 8, 2, 0, BLOCK=8, NEGATE=negate)
     assert len(recorder.triton_calls) == 8 and len(recorder.runs) == 3
+    launcher.launch(recorder, (1,), src, src, 8, 2, 0, BLOCK=8, NEGATE=[1])   # unhashable: not cached
+    assert len(recorder.triton_calls) == 9
 
 
 def test_pointer_keeps_its_tensor_alive():

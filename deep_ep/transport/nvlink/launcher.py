@@ -118,7 +118,11 @@ def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
             fn[grid](*args, **kwargs)
             return
     key_tuple = tuple(key)
-    kernel = _compiled.get(key_tuple)
+    try:
+        kernel = _compiled.get(key_tuple)
+    except TypeError:   # an unhashable constexpr: Triton's path
+        fn[grid](*args, **kwargs)
+        return
     if kernel is None:
         _compiled[key_tuple] = fn[grid](*args, **kwargs)
         return
