@@ -26,18 +26,17 @@ def _scaled_copy(src_ptr, dst_ptr, num, scale, offset, BLOCK: tl.constexpr, NEGA
 
 class _Recorder:
     """Stands in for a @triton.jit kernel: `kernel[grid](...)` (Triton's path) is counted and returns a
-    stand-in compiled kernel whose `run` records what the cache passed it."""
+    stand-in compiled kernel (itself) whose `run` records what the cache passed it."""
 
     def __init__(self, fn):
         self.params = fn.params
         self.triton_calls = []
         self.runs = []
-        self.compiled = self
 
     def __getitem__(self, grid):
         def call(*args, **kwargs):
             self.triton_calls.append((grid, args, kwargs))
-            return self.compiled
+            return self   # as the compiled kernel
         return call
 
     # the compiled kernel's side
