@@ -6,17 +6,18 @@ Areas of one buffer half, identical in every rank's low-latency buffer (byte off
   ARRIVED[src]         int64 (signal area): send programs of `src` that finished their stores here
   RECEIVED             int64 (signal area): calls on this half whose receive has finished here
   MASKS[e][src][t]     int32: bit k set when token t of rank `src` selected local expert e in top-k slot k
-  SLOTS[e][src][t]     token t's row for local expert e: [payload words | scale words], 16-byte aligned
+  SLOTS[src][t]        token t of rank `src`: [payload words | scale words], 16-byte aligned
 Send (NUM_SENDERS programs; token t by program t mod NUM_SENDERS): wait until RECEIVED of every unmasked
   rank equals this rank's (it has read what the previous call on this half left there; the combine waits
-  the same way). Load the row, cast it to e4m3 once if asked, then for every distinct valid expert e of
-  the token whose rank d is not masked, store the row into SLOTS[e][me][t] and the token's slot bits into
+  the same way). Load the row, cast it to e4m3 once if asked, then store it once into SLOTS[me][t] of every
+  unmasked rank d that holds one of the token's valid experts (not once per expert: a rank with several of
+  the token's experts gets one copy), and for every distinct such expert e the token's slot bits into
   MASKS[e][me][t] of rank d. Finally every program adds 1 to ARRIVED[me] of every unmasked rank (release,
   after a barrier over the program's stores).
 Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (RECEIVED + 1) for every
   unmasked source s (counters only grow; a half serves dispatches and combines alike). Expand MASKS[e] in
-  the order (source, token, slot), the reference order, into output rows: row p of expert e copies its
-  token's slot (a token that lists e twice gets two rows), src_info[e, p] = t and route[e, p] =
+  the order (source, token, slot), the reference order, into output rows: row p of expert e copies
+  SLOTS[s][t] of its token (a token that lists e twice gets two rows), src_info[e, p] = t and route[e, p] =
   (s, t * K + k) for the combine; then layout_range, recv_count, and MASKS[e] cleared for the next use of
   the half. The last program to finish publishes RECEIVED + 1.
 A wait that exceeds the timeout records (code, peer) in the host-visible status and skips the copies (a
@@ -84,20 +85,24 @@ def _send(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num
         else:
             valid = in_range
         same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
-        first = valid & (tl.sum((same & (ko[None, :] < ko[:, None])).to(tl.int32), axis=1) == 0)
+        earlier = ko[None, :] < ko[:, None]
+        first = valid & (tl.sum((same & earlier).to(tl.int32), axis=1) == 0)
+        same_rank = (owner[:, None] == owner[None, :]) & valid[:, None] & valid[None, :]
+        first_of_rank = valid & (tl.sum((same_rank & earlier).to(tl.int32), axis=1) == 0)
         slot_bits = tl.sum(tl.where(same, 1 << ko[None, :], 0), axis=1)
         row = tl.load(x_ptr + t.to(tl.int64) * H + ho, mask=ho < H, other=0.0)
         if FP8:
             data, scale_words = _quantize(row, H, ROUND, UE8M0, BLOCK_H)
-        # where each distinct expert's copy goes, for all slots at once (no memory access in the loop below)
-        dest = tl.where(first, ids // experts_per_rank, 0)
+        # where each distinct expert's bits and each distinct rank's row go, for all slots at once (no
+        # memory access in the loop below)
+        dest = tl.where(valid, owner, 0)
         entry = (((ids - dest * experts_per_rank) * R + rank) * num_max_tokens + t).to(tl.int64)
-        bases = tl.load(bases_ptr + dest, mask=first, other=0)
+        bases = tl.load(bases_ptr + dest, mask=valid, other=0)
         tl.store((bases + masks_offset + entry * 4).to(tl.pointer_type(tl.int32)), slot_bits, mask=first)
-        slots = bases + slots_offset + entry * (SLOT_W * 4)
+        slots = bases + slots_offset + (rank * num_max_tokens + t).to(tl.int64) * (SLOT_W * 4)
         for k in tl.static_range(K):
             pick = ko == k
-            if tl.sum((pick & first).to(tl.int32)) > 0:
+            if tl.sum((pick & first_of_rank).to(tl.int32)) > 0:
                 slot = tl.sum(tl.where(pick, slots, 0))
                 if FP8:
                     tl.store(row_pointer(slot, ho, tl.float8e4nv, BLOCK_H), data, mask=ho < H)
@@ -152,7 +157,7 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
                 k = tl.sum(tl.where((bit == 1) & (before == (p - first_row)[:, None]), bo[None, :], 0), axis=1)
                 source = entry // num_max_tokens
                 token = entry - source * num_max_tokens
-                slot = (e.to(tl.int64) * RN + entry) * SLOT_W
+                slot = entry.to(tl.int64) * SLOT_W
                 payload = tl.load(slots_ptr + slot[:, None] + xo[None, :], mask=live[:, None] & (xo[None, :] < XW))
                 tl.store(out_x_ptr + (out_base + p)[:, None] * XW + xo[None, :], payload,
                          mask=live[:, None] & (xo[None, :] < XW))

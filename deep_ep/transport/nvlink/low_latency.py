@@ -140,7 +140,7 @@ class NVLinkLowLatency:
             payload_words, scale_words, block_h = hidden // 2, 0, _next_pow2(hidden)
         slot_words = _round_up(payload_words + scale_words, 4)
         geometry = self._geometry(num_max_tokens, hidden, num_experts, half,
-                                  num_experts * num_max_tokens * slot_words * 4, "low_latency_dispatch")
+                                  R * num_max_tokens * slot_words * 4, "low_latency_dispatch")
         send = dict(
             bases_ptr=self.peers.bases, status_ptr=self.status, rank=rank, num_experts=num_experts,
             experts_per_rank=experts_per_rank, num_max_tokens=num_max_tokens, masks_offset=geometry.masks,
