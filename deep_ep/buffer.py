@@ -97,6 +97,7 @@ class Buffer:
             allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric)
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device) if enable_shrink else None
         self._comm_stream = CommStream(self.device)
+        self._default_configs: dict = {}   # _default_config
         self._slots = LowLatencySlots()
         self._low_latency_async = False   # the last low-latency call ran asynchronously on the comm stream
         # the last handle checked and its results per (num_tokens, num_channels): a handle reused call after
@@ -240,7 +241,7 @@ class Buffer:
             source token); top-k ids are local expert ids or -1 (weight 0).
         """
         self._live("dispatch")
-        config = config if config is not None else self.get_dispatch_config(self.group_size)
+        config = config if config is not None else self._default_config(Buffer.get_dispatch_config)
         num_channels = self._check_config(config)
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         data, scales = self._check_dispatch_x(x)
@@ -317,7 +318,7 @@ class Buffer:
             the rows from the destination ranks in ascending rank order, plus the biases, rounded once.
         """
         self._live("combine")
-        config = config if config is not None else self.get_combine_config(self.group_size)
+        config = config if config is not None else self._default_config(Buffer.get_combine_config)
         num_channels = self._check_config(config)
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         num_tokens, num_rows = self._check_handle("handle", handle, None, num_channels)
@@ -634,6 +635,15 @@ class Buffer:
             raise ValueError(f"{name}: top-k must be in [1, {MAX_TOPK}], got {topk_idx.shape[1]}")
         if values:
             check_expert_ids(name, topk_idx, num_experts)
+
+    def _default_config(self, make: Callable[[int], Config]) -> Config:
+        """`make(group size)` for the current `Buffer.num_sms`, built once (never handed to the caller, who
+        could change it)."""
+        key = (make, Buffer.num_sms)
+        config = self._default_configs.get(key)
+        if config is None:
+            config = self._default_configs[key] = make(self.group_size)
+        return config
 
     def _check_config(self, config: Config) -> int:
         if not isinstance(config, Config):

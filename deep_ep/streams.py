@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import torch
@@ -17,9 +18,23 @@ def flatten_tensors(values: Iterable[Any]) -> List[torch.Tensor]:
             out.append(value)
         elif isinstance(value, (tuple, list)):
             out.extend(flatten_tensors(value))
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            out.extend(flatten_tensors(getattr(value, field.name) for field in dataclasses.fields(value)))
+        elif value is not None and not isinstance(value, (int, float, bool, str)):
+            names = _field_names(value.__class__)
+            if names:
+                out.extend(flatten_tensors(getattr(value, name) for name in names))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(cls: type) -> Tuple[str, ...]:
+    """The fields of a dataclass (empty for other classes)."""
+    return tuple(field.name for field in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
+
+
+# the C functions behind torch.cuda's stream and event methods: their Python wrappers cost several times more
+# host time, which is a good part of a short call's
+_record = getattr(torch._C, "_CudaEventBase", None) and torch._C._CudaEventBase.record
+_wait = getattr(torch._C, "_CudaEventBase", None) and torch._C._CudaEventBase.wait
 
 
 class CommStream:
@@ -31,9 +46,20 @@ class CommStream:
         if device.type == "cuda":
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.stream = torch.cuda.Stream(device=device, priority=-1)
+            self._stream_id = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)
             # fences reused call after call (a wait takes the event's latest record)
             self._caller_reached = torch.cuda.Event()
             self._call_done = torch.cuda.Event()
+            self._caller: Tuple[Any, Optional[torch.cuda.Stream]] = (None, None)   # (stream id, Stream)
+
+    def _current(self) -> Tuple[Tuple[int, int, int], torch.cuda.Stream]:
+        """The caller's stream on the Buffer's device: (its id triple, a Stream object for it)."""
+        ids = torch._C._cuda_getCurrentStream(self.device_index)
+        known, stream = self._caller
+        if ids != known:
+            stream = torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+            self._caller = (ids, stream)
+        return ids, stream
 
     def run(self, fn: Callable[[], Any], inputs: Tuple[Any, ...], previous_event: Optional[EventOverlap],
             async_finish: bool, validate: Optional[Callable[[], None]] = None) -> Tuple[Any, EventOverlap]:
@@ -50,33 +76,31 @@ class CommStream:
                 validate()
             result = fn()
             return result, EventOverlap(EventHandle.completed() if async_finish else None)
-        # (streams are named by device index: the device-less forms of these calls cost several times more
-        # host time, which is most of a short call's)
-        compute = torch.cuda.current_stream(self.device_index)
+        compute_id, compute = self._current()
         if previous_event is not None and previous_event.event is not None and not previous_event.event.is_host:
-            self.stream.wait_event(previous_event.event.event)
+            _wait(previous_event.event.event, self.stream)
         else:
-            self._caller_reached.record(compute)
-            self.stream.wait_event(self._caller_reached)
-        caller_device = torch.cuda.current_device()
-        torch.cuda.set_stream(self.stream)   # (this also makes the Buffer's device current)
+            _record(self._caller_reached, compute)
+            _wait(self._caller_reached, self.stream)
+        caller_device = torch._C._cuda_getDevice()
+        torch._C._cuda_setStream(*self._stream_id)   # (this also makes the Buffer's device current)
         try:
             if validate is not None:
                 validate()
             result = fn()
-            capturing = torch.cuda.is_current_stream_capturing()
+            capturing = torch._C._cuda_isCurrentStreamCapturing()
         finally:
-            torch.cuda.set_stream(compute)
+            torch._C._cuda_setStream(*compute_id)
             if caller_device != self.device_index:
-                torch.cuda.set_device(caller_device)
+                torch._C._cuda_setDevice(caller_device)
         outputs = flatten_tensors(result if isinstance(result, (tuple, list)) else (result,))
         if not capturing:
             for tensor in outputs:
                 if tensor.is_cuda:
                     tensor.record_stream(compute)
         if not async_finish:
-            self._call_done.record(self.stream)
-            compute.wait_event(self._call_done)
+            _record(self._call_done, self.stream)
+            _wait(self._call_done, compute)
             return result, EventOverlap(None)
         event = EventHandle(self.stream)
         if not capturing:

@@ -1,4 +1,4 @@
-"""The NVLink transport's kernel launcher (deep_ep/transport/nvlink/launcher.py).
+"""The NVLink transport's kernel launcher (deep_ep/transport/nvlink/launcher.py): `launch` and `Relaunch`.
 
 On CPU: which calls reach Triton's own path and which the cache, with a stand-in for a compiled kernel. On the
 GPU (marked): launches through the cache give what Triton's own launch gives, also when the arguments change
@@ -132,6 +132,56 @@ def test_hooks_and_missing_arguments_go_through_triton(recorder, monkeypatch):
     assert len(recorder.triton_calls) == 3 and not recorder.runs
 
 
+def test_relaunch_looks_only_at_the_varied_arguments(recorder, monkeypatch):
+    import gc
+    import weakref
+    src = torch.arange(64, dtype=torch.int32)
+    dst = torch.zeros(64, dtype=torch.int32)
+    example = torch.zeros(64, dtype=torch.int32)
+    alive = weakref.ref(example)
+    relaunch = launcher.Relaunch(recorder, (2,), ("src_ptr", "num"), example, dst, 64, 3, 7, BLOCK=32, NEGATE=False,
+                                 num_warps=4)
+    del example
+    gc.collect()
+    assert alive() is None, "a relaunch kept the value of a varied argument given when it was made"
+    pointer = launcher.Pointer(src, torch.int32)
+    relaunch(pointer, 64)   # the first call of a specialisation: Triton's path, with every argument
+    assert len(recorder.triton_calls) == 1 and not recorder.runs
+    grid, args, kwargs = recorder.triton_calls[0]
+    assert grid[0] == 2 and args[0] is pointer and args[1] is dst and args[2:] == (64, 3, 7, 32, False)
+    assert kwargs == {"num_warps": 4}
+    relaunch(pointer, 48)   # same specialisation (int32 multiple of 16): the kernel, fixed arguments in place
+    assert len(recorder.triton_calls) == 1 and len(recorder.runs) == 1
+    grid_x, grid_y, grid_z, stream, function, metadata, launch_metadata, enter, leave, *values = recorder.runs[0]
+    assert (grid_x, grid_y, grid_z, stream, function, metadata) == (2, 1, 1, 1234, "function", "metadata")
+    assert (launch_metadata, enter, leave) == (None, None, None)
+    assert values[0] == src.data_ptr() and values[1] is dst and values[2:] == [48, 3, 7, 32, False]
+    relaunch(pointer, 48, grid=(5, 2))
+    assert recorder.runs[-1][:3] == (5, 2, 1)
+    # each of these changes the specialisation: Triton's path once, then the relaunch's own kernel
+    for changed in [(launcher.Pointer(src[1:], torch.int32), 48), (pointer, 1), (pointer, 17),
+                    (launcher.Pointer(src, torch.float32), 48)]:
+        before = len(recorder.triton_calls)
+        relaunch(*changed)
+        relaunch(*changed)
+        assert len(recorder.triton_calls) == before + 1, changed
+    before = len(recorder.triton_calls)
+    relaunch(src, 48)   # a host tensor: the C launcher translates its address, so `launch` (compiled already)
+    relaunch(src, 48)
+    assert len(recorder.triton_calls) == before and recorder.runs[-1][9] is src
+    monkeypatch.setattr(launcher, "_hooks_set", lambda: True)   # a profiler's launch hook
+    relaunch(pointer, 48)
+    assert len(recorder.triton_calls) == before + 1
+
+
+def test_relaunch_needs_every_fixed_value_and_fixed_constexprs(recorder):
+    dst = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(TypeError, match="no value for .'scale'"):
+        launcher.Relaunch(recorder, (1,), ("src_ptr",), dst_ptr=dst, num=8, offset=0, BLOCK=8, NEGATE=False)
+    with pytest.raises(TypeError, match="constexprs are fixed"):
+        launcher.Relaunch(recorder, (1,), ("src_ptr", "BLOCK"), dst_ptr=dst, num=8, scale=1, offset=0, NEGATE=False)
+
+
 def test_pointer_is_a_typed_raw_address():
     words = torch.arange(16, dtype=torch.int16)
     pointer = launcher.Pointer(words, torch.int32)
@@ -176,6 +226,26 @@ def test_launch_matches_triton_across_specialisations(device):
     keys = [key for key in launcher._compiled if key[0] == id(_scaled_copy)]
     # the launcher keeps one compiled kernel per distinct specialisation, the repeated case adds none
     assert len(keys) == len(cases) - 1 or not launcher.ENABLED
+
+
+@pytest.mark.gpu
+def test_relaunch_matches_triton_across_specialisations(device):
+    seed = base_seed()
+    gen = generator(seed, "relaunch")
+    base = torch.randint(-1000, 1000, (4096 + 8,), generator=gen, dtype=torch.int32).to(device)
+    relaunch = launcher.Relaunch(_scaled_copy, (1,), ("src_ptr", "dst_ptr", "num", "offset"), scale=3, BLOCK=1024,
+                                 NEGATE=True, num_warps=4)
+    cases = [(0, 4096, 7), (1, 4095, 7), (0, 1, 16), (3, 17, 2 ** 33 + 5), (0, 4096, 7)]   # (start, num, offset)
+    for round_ in range(2):   # the second round finds every specialisation compiled
+        for start, num, offset in cases:
+            base.copy_(torch.randint(-1000, 1000, base.shape, generator=gen, dtype=torch.int32))
+            src = base[start:]
+            dst = torch.full((num + 8,), -1, dtype=torch.int32, device=device)[start % 4:]
+            relaunch(src, dst, num, offset)
+            torch.cuda.synchronize(device)
+            assert torch.equal(dst[:num], _expected(src, num, 3, offset, True)), (seed, round_, start, num, offset)
+            assert torch.all(dst[num:] == -1), "wrote past num"
+    assert len(relaunch.kernels) == len(cases) - 1 or not launcher.ENABLED
 
 
 @pytest.mark.gpu

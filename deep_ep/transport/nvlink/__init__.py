@@ -12,7 +12,8 @@ waits for; a num_worst_tokens dispatch on any rank, and its handle, use the ring
 the host.
 Low-latency calls run on a second peer-mapped area (low_latency.py). An operation whose buffer size is 0
 goes to the reference transport. Every kernel is launched through launcher.py (compiled kernels cached by
-specialisation: a fraction of Triton's host time per launch).
+specialisation: a fraction of Triton's host time per launch); the layout, dispatch and combine kernels
+through a Relaunch per shape, which packs the arguments that do not change from call to call once.
 
 Buffer layout (identical on every rank; counters int64, records int32):
   [NOTIFY[R] | TAIL[R][CMAX] | HEAD[R][CMAX] | SENT[R][CMAX] | RECVD[R][CMAX] | ARRIVE[R][2 CMAX] | DONE[R] |
@@ -35,7 +36,7 @@ from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology
 from ..base import DispatchOutput, Transport
 from ..reference import ReferenceTransport
-from .launcher import Pointer, launch
+from .launcher import Pointer, Relaunch, launch
 
 CMAX = 64                      # most channels (num_sms / 2) an operation may use
 MAX_EXPERTS_PER_RANK = 1024
@@ -49,6 +50,7 @@ OWN_ROWS = os.environ.get("DEEP_EP_NVLINK_OWN_ROWS", "sender")
 if OWN_ROWS not in ("sender", "receiver"):
     raise ValueError(f"DEEP_EP_NVLINK_OWN_ROWS must be 'sender' or 'receiver', got {OWN_ROWS!r}")
 DIRECT = os.environ.get("DEEP_EP_NVLINK_DIRECT", "1") != "0"   # the direct protocol where the rows fit
+LAYOUT_TOKENS = 64             # tokens per layout program
 _ALIGN = 256
 
 
@@ -128,6 +130,8 @@ class NVLinkTransport(Transport):
         self.timeout_ns = int(timeout_s * 1e9)
         self._channels: Optional[int] = None
         self._plans: Dict[int, _Plan] = {}   # id(handle[3]) -> plan, forgotten with the handle
+        self._launches: Dict[tuple, Relaunch] = {}   # per kernel and shape (_layout, _dispatch_launch, ...)
+        self._geometries: Dict[tuple, tuple] = {}    # _dispatch_geometry's results
         self.low_latency: Optional[NVLinkLowLatency] = None
         if num_low_latency_bytes > 0:   # else the class's methods hand low-latency calls to the reference
             self.low_latency = NVLinkLowLatency(group, topology, device, num_low_latency_bytes, self.status,
@@ -200,24 +204,34 @@ class NVLinkTransport(Transport):
 
     # ---- layout ----------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
+        R, dev = self.topology.num_ranks, self.device
+        num_tokens, topk = topk_idx.shape
+        relaunch = self._launches.get(("layout", topk, num_experts))
+        if relaunch is None:
+            relaunch = self._layout_launch(topk, num_experts)
+        per_rank = torch.empty(R, dtype=torch.int32, device=dev)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=dev)
+        relaunch(topk_idx, per_rank, per_expert, Pointer(in_rank, torch.int8), num_tokens,
+                 grid=(max(1, -(-num_tokens // LAYOUT_TOKENS)),))
+        return per_rank, None, per_expert, in_rank
+
+    def _layout_launch(self, topk: int, num_experts: int) -> Relaunch:
         from .layout import COPY_BLOCK, HISTOGRAM_MAX, layout_kernel
         R = self.topology.num_ranks
-        num_tokens, topk = topk_idx.shape
         if self.layout_sums.numel() < R + num_experts:
             if torch.cuda.is_current_stream_capturing():   # its zero-fill would only run at the first replay
                 raise RuntimeError(f"get_dispatch_layout: call it once with num_experts={num_experts} outside CUDA "
                                    "graph capture first (it sets up the kernel's accumulator, which a capture cannot)")
             self._retired_layout_sums.append(self.layout_sums)   # graphs captured with it still use it
             self.layout_sums = torch.zeros(R + num_experts, dtype=torch.int32, device=self.device)
-        per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
-        per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
-        in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=self.device)
-        block_t = 64
-        launch(layout_kernel, (max(1, -(-num_tokens // block_t)),), topk_idx, self.layout_sums, self.layout_done,
-               per_rank, per_expert, Pointer(in_rank, torch.int8), self.layout_bad, num_tokens, num_experts,
-               num_experts // R, K=topk, R=R, BLOCK_T=block_t, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
-               BLOCK_E=_next_pow2(num_experts + 1) if num_experts <= HISTOGRAM_MAX else 0, COPY=COPY_BLOCK, num_warps=4)
-        return per_rank, None, per_expert, in_rank
+        relaunch = self._launches[("layout", topk, num_experts)] = Relaunch(
+            layout_kernel, (1,), ("idx_ptr", "per_rank_ptr", "per_expert_ptr", "in_rank_ptr", "num_tokens"),
+            sums_ptr=self.layout_sums, done_ptr=self.layout_done, bad_ptr=self.layout_bad, num_experts=num_experts,
+            experts_per_rank=num_experts // R, K=topk, R=R, BLOCK_T=LAYOUT_TOKENS, BLOCK_K=_next_pow2(topk),
+            BLOCK_R=_next_pow2(R), BLOCK_E=_next_pow2(num_experts + 1) if num_experts <= HISTOGRAM_MAX else 0,
+            COPY=COPY_BLOCK, num_warps=4)
+        return relaunch
 
     # ---- dispatch ------------------------------------------------------------------------------------------
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
@@ -310,91 +324,128 @@ class NVLinkTransport(Transport):
         return out
 
     def _dispatch_geometry(self, x, x_scales, topk_idx, num_channels):
-        hidden_words = x.shape[1] * x.element_size() // 4
-        scale_words = 0 if x_scales is None else x_scales.shape[1]
-        topk = 0 if topk_idx is None else topk_idx.shape[1]
-        id_offset = _round_up(hidden_words + scale_words, 2)
-        slot_words = _round_up(id_offset + 3 * topk + 1, 4)
-        return (hidden_words, scale_words, topk, id_offset, slot_words,
-                *self._rings(slot_words, num_channels, "dispatch"))
+        """(hidden words, scale words, top-k, id offset, slot words, ring words, ring slots, batch) of a dispatch."""
+        key = (x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1],
+               0 if topk_idx is None else topk_idx.shape[1], num_channels)
+        geometry = self._geometries.get(key)
+        if geometry is None:
+            row_bytes, scale_words, topk, _ = key
+            hidden_words = row_bytes // 4
+            id_offset = _round_up(hidden_words + scale_words, 2)
+            slot_words = _round_up(id_offset + 3 * topk + 1, 4)
+            geometry = self._geometries[key] = (hidden_words, scale_words, topk, id_offset, slot_words,
+                                                *self._rings(slot_words, num_channels, "dispatch"))
+        return geometry
 
     def _run_dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, plan: _Plan, num_rows,
                       expert_begin, experts_per_rank, geometry) -> DispatchOutput:
-        from .dispatch import dispatch_kernel
-        topo, dev = self.topology, self.device
-        R, C = topo.num_ranks, plan.num_channels
-        hidden_words, scale_words, topk, id_offset, slot_words, ring_words, ring_slots, batch = geometry
+        dev = self.device
+        scale_words, topk, slot_words = geometry[1], geometry[2], geometry[4]
         if x.data_ptr() % 16:
             x = x.clone()      # the kernel moves rows in 16-byte vectors
-        words = Pointer(x, torch.int32) if x.numel() else _dummy(dev)
         scales = None if x_scales is None else x_scales.contiguous()
         recv_x = x.new_empty((num_rows, x.shape[1]))
         recv_scales = None if scales is None else scales.new_empty((num_rows, scale_words))
         recv_idx = None if topk_idx is None else torch.empty((num_rows, topk), dtype=topk_idx.dtype, device=dev)
         recv_weights = None if topk_weights is None else torch.empty((num_rows, topk), dtype=torch.float32, device=dev)
         recv_src = torch.empty(num_rows, dtype=torch.int32, device=dev)
+        direct = self._fits_whole(plan.max_recv_rows, slot_words)
+        key = ("dispatch", direct, geometry, plan.num_channels, topk_weights is not None, expert_begin, experts_per_rank)
+        relaunch = self._launches.get(key)
+        if relaunch is None:
+            relaunch = self._launches[key] = self._dispatch_launch(direct, geometry, plan.num_channels,
+                                                                   topk_weights is not None, expert_begin,
+                                                                   experts_per_rank)
         dummy = recv_src
-        inputs = (words, dummy if scales is None else Pointer(scales, torch.int32),
+        inputs = (Pointer(x, torch.int32) if x.numel() else dummy,
+                  dummy if scales is None else Pointer(scales, torch.int32),
                   dummy if topk_idx is None else topk_idx, dummy if topk_weights is None else topk_weights,
                   Pointer(is_token_in_rank, torch.int8), plan.before, plan.recv_count, plan.recv_base, plan.prefix)
         outputs = (Pointer(recv_x, torch.int32) if recv_x.numel() else dummy,
                    dummy if recv_scales is None else Pointer(recv_scales, torch.int32),
                    dummy if recv_idx is None else recv_idx, dummy if recv_weights is None else recv_weights, recv_src,
-                   self.peers.bases, self.status, x.shape[0], num_rows, topo.rank, expert_begin,
-                   max(experts_per_rank, 1))
-        shapes = dict(R=R, XW=hidden_words, SW=scale_words, K=topk, HAS_W=topk_weights is not None, ID_OFF=id_offset,
-                      BLOCK_X=_next_pow2(max(hidden_words, 1)), BLOCK_S=_next_pow2(max(scale_words, 1)),
-                      BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R),
-                      ROWS=_rows_per_step(hidden_words, DISPATCH_TILE), num_warps=NUM_WARPS)
-        if self._fits_whole(plan.max_recv_rows, slot_words):
-            from .direct import direct_dispatch_kernel
-            launch(direct_dispatch_kernel, (2 * C,), *inputs, plan.push_row0, *outputs, self.arrive_word, self.ops_word,
-                   self.done_word, self.ticket_word, self.ring_word, slot_words, self._capacity(slot_words),
-                   self.timeout_ns, C=C, AMAX=2 * CMAX, **shapes)
+                   x.shape[0], num_rows)
+        if direct:
+            relaunch(*inputs, plan.push_row0, *outputs)
         else:
-            launch(dispatch_kernel, (2 * C,), *inputs, *outputs, self.tail_word, self.head_word, self.sent_word,
-                   self.recvd_word, self.ops_word, self.done_word, self.ticket_word, self.ring_word, ring_words,
-                   slot_words, ring_slots, batch, self.timeout_ns, C=C, CMAX=CMAX, OWN_BY_SENDER=OWN_ROWS == "sender",
-                   **shapes)
+            relaunch(*inputs, *outputs)
         return DispatchOutput(recv_x, recv_scales, recv_idx, recv_weights, None, recv_src)
+
+    def _dispatch_launch(self, direct: bool, geometry: tuple, C: int, has_weights: bool, expert_begin: int,
+                         experts_per_rank: int) -> Relaunch:
+        """The dispatch kernel with what stays the same for a shape (the rest: _DISPATCH_VARY)."""
+        hidden_words, scale_words, topk, id_offset, slot_words, ring_words, ring_slots, batch = geometry
+        R = self.topology.num_ranks
+        fixed = dict(bases_ptr=self.peers.bases, status_ptr=self.status, rank=self.topology.rank,
+                     expert_begin=expert_begin, experts_per_rank=max(experts_per_rank, 1), ops_word=self.ops_word,
+                     done_word=self.done_word, ticket_word=self.ticket_word, slot_words=slot_words,
+                     timeout_ns=self.timeout_ns, C=C, R=R, XW=hidden_words, SW=scale_words, K=topk, HAS_W=has_weights,
+                     ID_OFF=id_offset, BLOCK_X=_next_pow2(max(hidden_words, 1)), BLOCK_S=_next_pow2(max(scale_words, 1)),
+                     BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R),
+                     ROWS=_rows_per_step(hidden_words, DISPATCH_TILE), num_warps=NUM_WARPS)
+        if direct:
+            from .direct import direct_dispatch_kernel
+            return Relaunch(direct_dispatch_kernel, (2 * C,), _DISPATCH_VARY[:9] + ("push_row0_ptr",) + _DISPATCH_VARY[9:],
+                            arrive_word=self.arrive_word, slot_word=self.ring_word,
+                            capacity=self._capacity(slot_words), AMAX=2 * CMAX, **fixed)
+        from .dispatch import dispatch_kernel
+        return Relaunch(dispatch_kernel, (2 * C,), _DISPATCH_VARY, tail_word=self.tail_word, head_word=self.head_word,
+                        sent_word=self.sent_word, recvd_word=self.recvd_word, ring_word=self.ring_word,
+                        ring_words=ring_words, ring_slots=ring_slots, batch=batch, CMAX=CMAX,
+                        OWN_BY_SENDER=OWN_ROWS == "sender", **fixed)
 
     # ---- combine ---------------------------------------------------------------------------------------------
     def combine(self, x, handle, topk_weights, biases, num_channels):
-        from .combine import combine_kernel
-        topo, dev = self.topology, self.device
         plan = self._plan(handle)
-        R, C, hidden = topo.num_ranks, plan.num_channels, x.shape[1]
+        C, hidden = plan.num_channels, x.shape[1]
         self._begin(C)
         topk = 0 if topk_weights is None else topk_weights.shape[1]
+        bias0, bias1 = biases
+        slot_words = _round_up(_round_up(topk, 4) + hidden // 2, 4)
+        direct = self._fits_whole(plan.max_send_rows, slot_words)
+        key = ("combine", hidden, topk, bias0 is not None, bias1 is not None, C, direct)
+        relaunch = self._launches.get(key)
+        if relaunch is None:
+            relaunch = self._launches[key] = self._combine_launch(direct, hidden, topk, bias0 is not None,
+                                                                  bias1 is not None, C)
+        in_rank = handle[4]
+        num_tokens = in_rank.shape[0]
+        combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
+        combined_weights = None if topk_weights is None else torch.empty((num_tokens, topk), dtype=torch.float32,
+                                                                         device=self.device)
+        dummy = plan.prefix
+        inputs = (x, dummy if topk_weights is None else topk_weights, Pointer(in_rank, torch.int8), plan.before)
+        outputs = (dummy if bias0 is None else bias0, dummy if bias1 is None else bias1, combined,
+                   dummy if combined_weights is None else combined_weights, num_tokens, x.shape[0])
+        if direct:
+            relaunch(*inputs, plan.prefix, plan.combine_row0, *outputs)
+        else:
+            relaunch(*inputs, plan.recv_count, plan.recv_base, plan.prefix, *outputs)
+        return combined, combined_weights
+
+    def _combine_launch(self, direct: bool, hidden: int, topk: int, has_bias0: bool, has_bias1: bool,
+                        C: int) -> Relaunch:
+        """The combine kernel with what stays the same for a shape (the rest: _COMBINE_VARY and the plan's
+        tables)."""
+        R = self.topology.num_ranks
         x_offset = _round_up(topk, 4)
         slot_words = _round_up(x_offset + hidden // 2, 4)
         ring_words, ring_slots, batch = self._rings(slot_words, C, "combine")
-        in_rank = handle[4]
-        num_tokens = in_rank.shape[0]
-        combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
-        combined_weights = None if topk_weights is None else torch.empty((num_tokens, topk), dtype=torch.float32,
-                                                                         device=dev)
-        dummy = plan.prefix
-        bias0, bias1 = biases
-        weights = dummy if topk_weights is None else topk_weights
-        bias0, bias1 = dummy if bias0 is None else bias0, dummy if bias1 is None else bias1
-        outputs = (combined, dummy if combined_weights is None else combined_weights, self.peers.bases, self.status,
-                   num_tokens, x.shape[0], topo.rank)
-        shapes = dict(R=R, H=hidden, K=topk, X_OFF=x_offset, HAS_BIAS0=biases[0] is not None,
-                      HAS_BIAS1=biases[1] is not None, BLOCK_H=_next_pow2(hidden), BLOCK_K=_next_pow2(max(topk, 1)),
-                      BLOCK_R=_next_pow2(R), ROWS=_rows_per_step(hidden, COMBINE_TILE), num_warps=NUM_WARPS)
-        if self._fits_whole(plan.max_send_rows, slot_words):
+        fixed = dict(bases_ptr=self.peers.bases, status_ptr=self.status, rank=self.topology.rank,
+                     ops_word=self.ops_word, done_word=self.done_word, ticket_word=self.ticket_word,
+                     slot_words=slot_words, timeout_ns=self.timeout_ns, R=R, H=hidden, K=topk, X_OFF=x_offset,
+                     HAS_BIAS0=has_bias0, HAS_BIAS1=has_bias1, BLOCK_H=_next_pow2(hidden), BLOCK_K=_next_pow2(max(topk, 1)),
+                     BLOCK_R=_next_pow2(R), ROWS=_rows_per_step(hidden, COMBINE_TILE), num_warps=NUM_WARPS)
+        if direct:
             from .direct import direct_combine_kernel
-            launch(direct_combine_kernel, (2 * C,), x, weights, Pointer(in_rank, torch.int8), plan.before, plan.prefix,
-                   plan.combine_row0, bias0, bias1, *outputs, self.arrive_word, self.ops_word, self.done_word,
-                   self.ticket_word, self.ring_word, slot_words, self._capacity(slot_words), self.timeout_ns,
-                   AMAX=2 * CMAX, BLOCK_P=_next_pow2(2 * C), **shapes)
-        else:
-            launch(combine_kernel, (2 * C,), x, weights, Pointer(in_rank, torch.int8), plan.before, plan.recv_count,
-                   plan.recv_base, plan.prefix, bias0, bias1, *outputs, self.tail_word, self.head_word, self.sent_word,
-                   self.recvd_word, self.ops_word, self.done_word, self.ticket_word, self.ring_word, ring_words,
-                   slot_words, ring_slots, batch, self.timeout_ns, C=C, CMAX=CMAX, **shapes)
-        return combined, combined_weights
+            return Relaunch(direct_combine_kernel, (2 * C,), _COMBINE_VARY[:4] + ("prefix_ptr", "combine_row0_ptr")
+                                + _COMBINE_VARY[4:], arrive_word=self.arrive_word, slot_word=self.ring_word,
+                                capacity=self._capacity(slot_words), AMAX=2 * CMAX, BLOCK_P=_next_pow2(2 * C), **fixed)
+        from .combine import combine_kernel
+        return Relaunch(combine_kernel, (2 * C,), _COMBINE_VARY[:4] + ("recv_count_ptr", "recv_base_ptr", "prefix_ptr")
+                        + _COMBINE_VARY[4:], tail_word=self.tail_word, head_word=self.head_word,
+                        sent_word=self.sent_word, recvd_word=self.recvd_word, ring_word=self.ring_word,
+                        ring_words=ring_words, ring_slots=ring_slots, batch=batch, C=C, CMAX=CMAX, **fixed)
 
     # ---- low latency (low_latency.py) ----------------------------------------------------------------------
     def check_low_latency_errors(self) -> None:
@@ -425,6 +476,18 @@ class NVLinkTransport(Transport):
         self.peers.close()
         if self.low_latency is not None:
             self.low_latency.close()
+
+
+# the dispatch kernels' arguments that change from call to call (the direct kernel also has push_row0_ptr after
+# prefix_ptr)
+_DISPATCH_VARY = ("x_ptr", "scales_ptr", "idx_ptr", "weights_ptr", "in_rank_ptr", "before_ptr", "recv_count_ptr",
+                  "recv_base_ptr", "prefix_ptr", "out_x_ptr", "out_scales_ptr", "out_idx_ptr", "out_weights_ptr",
+                  "out_src_ptr", "num_tokens", "num_rows")
+
+
+# the combine kernels' arguments that change from call to call, less the plan's tables in the middle
+_COMBINE_VARY = ("x_ptr", "weights_ptr", "in_rank_ptr", "before_ptr", "bias0_ptr", "bias1_ptr", "out_ptr",
+                 "out_weights_ptr", "num_tokens", "num_rows")
 
 
 def _rows_per_step(row_elements: int, tile_elements: int) -> int:

@@ -15,6 +15,10 @@ Triton stays the judge of what a specialisation needs; the key here only has to 
 Triton's. Arguments of other kinds (tuples, int subclasses, tensor subclasses, ...), launch hooks (set by
 profilers), Triton's interpreter and DEEP_EP_FAST_LAUNCH=0 send the call through Triton's path. Like
 Triton's own cache, this one assumes the kernels' global constants do not change after their first launch.
+
+`Relaunch` goes further for launches repeated with the same shapes: the caller names the arguments that
+change from call to call, and a repeat looks only at those; everything else (the rest of the key, the
+packing of the fixed arguments, the caller's own preparation of them) is done once.
 """
 from __future__ import annotations
 
@@ -76,13 +80,14 @@ def _signature(fn: Any) -> Optional[_Signature]:
     return _signatures[key]
 
 
-def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """`fn[grid](*args, **kwargs)` on the current stream: `grid` a tuple of 1 to 3 ints; positional arguments
-    first, in the kernel's order."""
-    signature = _signature(fn) if ENABLED and not _hooks_set() else None
-    if signature is None:
-        fn[grid](*args, **kwargs)
-        return
+def _int_spec(value: int) -> Any:
+    """What Triton specialises an int argument on: -1, 0 and 1 by value, others by divisibility by 16 and
+    width."""
+    return value if -2 < value < 2 else (value & 15 == 0, -2 ** 31 <= value < 2 ** 31, value < 2 ** 63)
+
+
+def _bind(signature: _Signature, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
+    """(every parameter's value in order, [(option, value)]), or None if some parameter has no value."""
     values: List[Any] = list(args)
     values.extend([None] * (len(signature.names) - len(args)))
     options = []
@@ -94,9 +99,24 @@ def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         else:
             values[position] = value
             given += 1
-    if given != len(values):   # defaults, or a wrong call: Triton's path fills them in or says what is wrong
+    return (values, options) if given == len(values) else None
+
+
+def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """`fn[grid](*args, **kwargs)` on the current stream: `grid` a tuple of 1 to 3 ints; positional arguments
+    first, in the kernel's order."""
+    _launch(fn, grid, args, kwargs)
+
+
+def _launch(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """`launch`; returns the compiled kernel when the call went by the cache's key (None when it went through
+    Triton's path for another reason: hooks, arguments the key does not cover, ...)."""
+    signature = _signature(fn) if ENABLED and not _hooks_set() else None
+    bound = None if signature is None else _bind(signature, args, kwargs)
+    if bound is None:   # (missing values: Triton's path fills in defaults or says what is wrong)
         fn[grid](*args, **kwargs)
-        return
+        return None
+    values, options = bound
     device = torch.cuda.current_device()
     key: List[Any] = [id(fn), device, *options]
     append = key.append
@@ -105,7 +125,7 @@ def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         if is_constexpr:
             append((kind, value))
         elif kind is int:
-            append(value if -2 < value < 2 else (value & 15 == 0, -2 ** 31 <= value < 2 ** 31, value < 2 ** 63))
+            append(_int_spec(value))
         elif kind is torch.Tensor or kind is Pointer:
             pointer = value.data_ptr()
             append(value.dtype)
@@ -116,16 +136,109 @@ def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
             append(kind)
         else:   # anything else (tuples, int subclasses, tensor subclasses, ...) is Triton's to specialise
             fn[grid](*args, **kwargs)
-            return
+            return None
     key_tuple = tuple(key)
     try:
         kernel = _compiled.get(key_tuple)
     except TypeError:   # an unhashable constexpr: Triton's path
         fn[grid](*args, **kwargs)
-        return
+        return None
     if kernel is None:
-        _compiled[key_tuple] = fn[grid](*args, **kwargs)
-        return
+        kernel = _compiled[key_tuple] = fn[grid](*args, **kwargs)
+        return kernel
     grid = tuple(grid) + (1, 1)
     stream = torch._C._cuda_getCurrentRawStream(device)
     kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *values)
+    return kernel
+
+
+class Relaunch:
+    """A launch prepared once and repeated with new values for a few arguments.
+
+    `Relaunch(fn, grid, vary, *args, **kwargs)` takes the arguments of `launch` and the names of the
+    parameters that change from call to call (their values in `args` / `kwargs` are ignored; leave them out
+    or pass anything); `relaunch(*values, grid=None)` launches with those parameters set to `values`, in
+    `vary`'s order (and on another grid, if given).
+    A repeat looks only at the changed values: their specialisation (each pointer's dtype and 16-byte
+    alignment, each int's class) picks one of the compiled kernels this relaunch has used, and the other
+    arguments are already packed. A specialisation not seen yet, launch hooks, and values the cache does
+    not cover go through `launch`. The fixed arguments stay referenced as long as the relaunch lives."""
+
+    __slots__ = ("fn", "grid", "values", "options", "positions", "packed", "kernels")
+
+    def __init__(self, fn: Any, grid: Tuple[int, ...], vary: Tuple[str, ...], *args: Any, **kwargs: Any) -> None:
+        self.fn, self.grid = fn, tuple(grid) + (1, 1)
+        signature = _signature(fn)
+        if signature is None:
+            raise TypeError(f"Relaunch needs a @triton.jit kernel, got {fn!r}")
+        varied = [signature.index[name] for name in vary]
+        if any(signature.constexpr[position] for position in varied):
+            raise TypeError(f"Relaunch of {_name(fn)}: constexprs are fixed (vary: {vary})")
+        values: List[Any] = [_VARIED] * len(signature.names)
+        values[:len(args)] = args
+        self.options = {}
+        for name, value in kwargs.items():
+            position = signature.index.get(name)
+            if position is None:
+                self.options[name] = value
+            else:
+                values[position] = value
+        for position in varied:   # (never keep a per-call tensor alive)
+            values[position] = _VARIED
+        missing = [name for name, value in zip(signature.names, values) if value is _VARIED and name not in vary]
+        if missing:
+            raise TypeError(f"Relaunch of {_name(fn)}: no value for {missing}")
+        self.values = values
+        self.packed = [_packed(value) for value in values]   # as the compiled kernel's launcher takes them
+        self.positions = varied
+        self.kernels: Dict[Tuple, Any] = {}   # (device, specialisation of the varied values) -> compiled kernel
+
+    def __call__(self, *changed: Any, grid: Optional[Tuple[int, ...]] = None) -> None:
+        grid = self.grid if grid is None else tuple(grid) + (1, 1)
+        packed = self.packed.copy()
+        device = torch.cuda.current_device()
+        spec: List[Any] = [device]
+        append = spec.append
+        for position, value in zip(self.positions, changed):
+            kind = value.__class__
+            if kind is torch.Tensor or kind is Pointer:
+                if kind is torch.Tensor and not value.is_cuda:
+                    return self._launch(grid, changed, None)
+                pointer = value.data_ptr()
+                append(value.dtype)
+                append(pointer & 15 == 0)
+                packed[position] = pointer
+            elif kind is int:
+                append(_int_spec(value))
+                packed[position] = value
+            else:
+                return self._launch(grid, changed, None)
+        key = tuple(spec)
+        kernel = self.kernels.get(key)
+        if kernel is None or _hooks_set():
+            return self._launch(grid, changed, key)
+        kernel.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), kernel.function,
+                   kernel.packed_metadata, None, None, None, *packed)
+
+    def _launch(self, grid: Tuple[int, ...], changed: Tuple[Any, ...], key: Optional[Tuple]) -> None:
+        values = list(self.values)
+        for position, value in zip(self.positions, changed):
+            values[position] = value
+        kernel = _launch(self.fn, grid[:3], tuple(values), self.options)
+        if kernel is not None and key is not None:
+            self.kernels[key] = kernel
+
+
+_VARIED = object()   # a varied parameter's place in Relaunch.values
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__name__", None) or repr(fn)
+
+
+def _packed(value: Any) -> Any:
+    """A fixed argument as the compiled kernel's launcher takes it (CUDA memory as its address)."""
+    kind = value.__class__
+    if kind is Pointer or (kind is torch.Tensor and value.is_cuda):
+        return value.data_ptr()
+    return value

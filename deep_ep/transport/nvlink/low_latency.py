@@ -28,7 +28,7 @@ from ...config import LowLatencyLayout, _round_up
 from ...fp8 import num_scale_groups
 from ...group import Group, Topology
 from ..base import LowLatencyDispatchOutput, LowLatencyOptions
-from .launcher import Pointer, launch
+from .launcher import Pointer, Relaunch
 
 NUM_SENDERS = int(os.environ.get("DEEP_EP_LL_SENDERS", "128"))   # send programs; the same on every rank
 NUM_WARPS = int(os.environ.get("DEEP_EP_LL_NUM_WARPS", "8"))
@@ -42,6 +42,13 @@ COMBINE_TILE = 8192       # values of the K rows a combine receive program loads
 FUSED_MAX_TOKENS = int(os.environ.get("DEEP_EP_LL_FUSED_MAX_TOKENS", "16"))
 
 
+# the arguments of a call that change from call to call, in the order the Relaunches take them (the fused
+# kernels take the send's, then the receive's, with the mask once)
+_DISPATCH_INPUTS = ("x_ptr", "idx_ptr", "num_tokens", "mask_ptr")
+_DISPATCH_OUTPUTS = ("mask_ptr", "stats_ptr", "out_x_ptr", "out_scales_ptr", "src_info_ptr", "route_ptr", "layout_ptr",
+                     "count_ptr")
+_COMBINE_INPUTS = ("x_ptr", "layout_ptr", "route_ptr", "mask_ptr")
+_COMBINE_OUTPUTS = ("mask_ptr", "idx_ptr", "weights_ptr", "out_ptr", "num_tokens", "stats_ptr")
 # arguments the receive kernels take from the send kernels' argument sets
 _DISPATCH_SHARED = ("status_ptr", "rank", "experts_per_rank", "num_max_tokens", "timeout_ns", "K", "R",
                     "XW", "SW", "SLOT_W", "HAS_MASK", "BLOCK_R")
@@ -156,16 +163,20 @@ class NVLinkLowLatency:
             received_ptr=received, finished_ptr=finished, num_senders=NUM_SENDERS, HAS_STATS=has_stats,
             BLOCK_RN=_next_pow2(slots), BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)),
             ROWS=RECV_ROWS)
-        return dict(send=send, receive_only=receive_only, receive=dict(receive_only, **_pick(send, _DISPATCH_SHARED)),
-                    receive_grid=(max(1, min(experts_per_rank, 2 * self.num_sms)),),
-                    x_shape=(experts_per_rank, slots, hidden), scale_shape=(experts_per_rank, scale_words, slots),
-                    count_shape=(experts_per_rank,), table_shape=(experts_per_rank, slots),
-                    range_shape=(experts_per_rank, R))
+        from .ll_dispatch import ll_dispatch_kernel, ll_dispatch_recv_kernel, ll_dispatch_send_kernel
+        receive = dict(receive_only, **_pick(send, _DISPATCH_SHARED))
+        return dict(
+            send=Relaunch(ll_dispatch_send_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS, **send, num_warps=NUM_WARPS),
+            receive=Relaunch(ll_dispatch_recv_kernel, (max(1, min(experts_per_rank, 2 * self.num_sms)),),
+                             _DISPATCH_OUTPUTS, **receive, num_warps=NUM_WARPS),
+            fused=Relaunch(ll_dispatch_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + _DISPATCH_OUTPUTS[1:], **send,
+                           **receive_only, num_warps=NUM_WARPS, launch_cooperative_grid=True) if self.can_fuse else None,
+            x_shape=(experts_per_rank, slots, hidden), scale_shape=(experts_per_rank, scale_words, slots),
+            count_shape=(experts_per_rank,), table_shape=(experts_per_rank, slots), range_shape=(experts_per_rank, R))
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
                  options: LowLatencyOptions, mask: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
                  half: int, hook: bool):
-        from .ll_dispatch import ll_dispatch_kernel, ll_dispatch_recv_kernel, ll_dispatch_send_kernel
         dev = self.device
         num_tokens, hidden = x.shape
         topk = topk_idx.shape[1]
@@ -187,24 +198,20 @@ class NVLinkLowLatency:
         layout_range = torch.empty(plan["range_shape"], dtype=torch.int64, device=dev)
         route = torch.empty(plan["table_shape"], dtype=torch.int32, device=dev)
         mask = self._no_words if mask is None else mask.clone()   # the mask as of this call, also for its receive
-        outputs = dict(stats_ptr=self._no_longs if wait_stats is None else wait_stats,
-                       out_x_ptr=Pointer(recv_x, torch.int32),
-                       out_scales_ptr=self._no_words if recv_scales is None else Pointer(recv_scales, torch.int32),
-                       src_info_ptr=src_info, route_ptr=route, layout_ptr=layout_range, count_ptr=recv_count,
-                       mask_ptr=mask)
+        outputs = (mask, self._no_longs if wait_stats is None else wait_stats, Pointer(recv_x, torch.int32),
+                   self._no_words if recv_scales is None else Pointer(recv_scales, torch.int32), src_info, route,
+                   layout_range, recv_count)   # (_DISPATCH_OUTPUTS)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         self._remember(src_info, route, topk)
-        if not hook and self.can_fuse and num_tokens <= FUSED_MAX_TOKENS:
-            launch(ll_dispatch_kernel, (NUM_SENDERS,), x_ptr=x, idx_ptr=topk_idx, num_tokens=num_tokens, **plan["send"],
-                   **plan["receive_only"], **outputs, num_warps=NUM_WARPS, launch_cooperative_grid=True)
+        if not hook and plan["fused"] is not None and num_tokens <= FUSED_MAX_TOKENS:
+            plan["fused"](x, topk_idx, num_tokens, *outputs)
             return output, _nothing
-        launch(ll_dispatch_send_kernel, (NUM_SENDERS,), x_ptr=x, idx_ptr=topk_idx, num_tokens=num_tokens, mask_ptr=mask,
-               **plan["send"], num_warps=NUM_WARPS)
-        receive_args, receive_grid = dict(plan["receive"], **outputs), plan["receive_grid"]
+        plan["send"](x, topk_idx, num_tokens, mask)
+        receive = plan["receive"]
 
-        def receive() -> None:   # (keeps only the receive's arguments alive)
-            launch(ll_dispatch_recv_kernel, receive_grid, **receive_args, num_warps=NUM_WARPS)
-        return output, receive
+        def receive_step() -> None:   # (keeps only the receive's arguments alive)
+            receive(*outputs)
+        return output, receive_step
 
     def _counters(self, geometry: _Geometry, half: int):
         """ARRIVED and RECEIVED of a half (local views) and its count of finished receive programs."""
@@ -221,7 +228,6 @@ class NVLinkLowLatency:
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
                 layout_range: torch.Tensor, num_max_tokens: int, use_logfmt: bool, mask: Optional[torch.Tensor],
                 out: torch.Tensor, wait_stats: Optional[torch.Tensor], half: int, hook: bool):
-        from .ll_combine import ll_combine_kernel, ll_combine_recv_kernel, ll_combine_send_kernel
         experts_per_rank, _, hidden = x.shape
         num_tokens, topk = topk_idx.shape
         known = self._routes.get(id(src_info))
@@ -240,20 +246,17 @@ class NVLinkLowLatency:
             plan = self._plans[key] = self._combine_plan(num_max_tokens, hidden, experts_per_rank, topk, use_logfmt,
                                                          mask is not None, wait_stats is not None, half, strides)
         mask = self._no_words if mask is None else mask.clone()
-        send = dict(plan["send"], x_ptr=x, layout_ptr=layout_range, route_ptr=route, mask_ptr=mask)
-        per_call = dict(idx_ptr=topk_idx, weights_ptr=topk_weights, out_ptr=out, num_tokens=num_tokens,
-                        stats_ptr=self._no_longs if wait_stats is None else wait_stats)
-        if not hook and self.can_fuse and num_tokens <= FUSED_MAX_TOKENS:   # compiled without FMA, as the reference
-            launch(ll_combine_kernel, (NUM_SENDERS,), **send, **plan["receive_only"], **per_call, num_warps=NUM_WARPS,
-                   enable_fp_fusion=False, launch_cooperative_grid=True)
+        per_call = (mask, topk_idx, topk_weights, out, num_tokens,
+                    self._no_longs if wait_stats is None else wait_stats)   # (_COMBINE_OUTPUTS)
+        if not hook and plan["fused"] is not None and num_tokens <= FUSED_MAX_TOKENS:
+            plan["fused"](x, layout_range, route, *per_call)
             return _nothing
-        launch(ll_combine_send_kernel, (NUM_SENDERS,), **send, num_warps=NUM_WARPS, enable_fp_fusion=not use_logfmt)
-        receive_args = dict(plan["receive"], mask_ptr=mask, **per_call)   # the hook keeps only these alive
-        receive_grid = (max(1, min(num_tokens * -(-hidden // plan["chunk"]), 2 * self.num_sms)),)
+        plan["send"](x, layout_range, route, mask)
+        receive, receive_grid = plan["receive"], (max(1, min(num_tokens * -(-hidden // plan["chunk"]), 2 * self.num_sms)),)
 
-        def receive() -> None:
-            launch(ll_combine_recv_kernel, receive_grid, **receive_args, num_warps=NUM_WARPS, enable_fp_fusion=False)
-        return receive
+        def receive_step() -> None:   # (keeps only the receive's arguments alive)
+            receive(*per_call, grid=receive_grid)
+        return receive_step
 
     def _combine_plan(self, num_max_tokens: int, hidden: int, experts_per_rank: int, topk: int, use_logfmt: bool,
                       has_mask: bool, has_stats: bool, half: int, strides: Tuple[int, ...]) -> dict:
@@ -276,8 +279,17 @@ class NVLinkLowLatency:
             rows_ptr=self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.bfloat16), arrived_ptr=arrived,
             received_ptr=received, finished_ptr=finished, num_experts=num_experts, num_senders=NUM_SENDERS,
             HAS_STATS=has_stats, CHUNK=chunk, BLOCK_K=_next_pow2(topk))
-        return dict(send=send, receive_only=receive_only, receive=dict(receive_only, **_pick(send, _COMBINE_SHARED)),
-                    chunk=chunk)
+        from .ll_combine import ll_combine_kernel, ll_combine_recv_kernel, ll_combine_send_kernel
+        # (the receive and the fused kernel are compiled without FMA, as the reference sums)
+        return dict(
+            send=Relaunch(ll_combine_send_kernel, (NUM_SENDERS,), _COMBINE_INPUTS, **send, num_warps=NUM_WARPS,
+                          enable_fp_fusion=not use_logfmt),
+            receive=Relaunch(ll_combine_recv_kernel, (1,), _COMBINE_OUTPUTS, **receive_only,
+                             **_pick(send, _COMBINE_SHARED), num_warps=NUM_WARPS, enable_fp_fusion=False),
+            fused=Relaunch(ll_combine_kernel, (NUM_SENDERS,), _COMBINE_INPUTS + _COMBINE_OUTPUTS[1:], **send,
+                           **receive_only, num_warps=NUM_WARPS, enable_fp_fusion=False,
+                           launch_cooperative_grid=True) if self.can_fuse else None,
+            chunk=chunk)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def clean(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
