@@ -11,9 +11,9 @@ buffer that holds one row per ring works. The direct protocol needs the counts t
 waits for; a num_worst_tokens dispatch on any rank, and its handle, use the rings. Nothing else waits on
 the host.
 Low-latency calls run on a second peer-mapped area (low_latency.py). An operation whose buffer size is 0
-goes to the reference transport. Every kernel is launched through launcher.py (compiled kernels cached by
-specialisation: a fraction of Triton's host time per launch); the layout, dispatch and combine kernels
-through a Relaunch per shape, which packs the arguments that do not change from call to call once.
+goes to the reference transport. Every kernel is launched through a launcher.Relaunch per kernel and shape,
+which packs the arguments that do not change from call to call once (a fraction of Triton's host time per
+launch).
 
 Buffer layout (identical on every rank; counters int64, records int32):
   [NOTIFY[R] | TAIL[R][CMAX] | HEAD[R][CMAX] | SENT[R][CMAX] | RECVD[R][CMAX] | ARRIVE[R][2 CMAX] | DONE[R] |
@@ -24,11 +24,10 @@ Set DEEP_EP_NVLINK_DIRECT=0 (on every rank) to always use the rings.
 """
 from __future__ import annotations
 
-import math
 import os
 import weakref
 import zlib
-from typing import Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -36,7 +35,7 @@ from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology
 from ..base import DispatchOutput, Transport
 from ..reference import ReferenceTransport
-from .launcher import Pointer, Relaunch, launch
+from .launcher import Pointer, Relaunch
 
 CMAX = 64                      # most channels (num_sms / 2) an operation may use
 MAX_EXPERTS_PER_RANK = 1024
@@ -72,13 +71,14 @@ def _next_pow2(value: int) -> int:
 
 
 class _Plan(NamedTuple):
-    """Where every row goes, on the device: enough to run a streaming kernel without the host."""
+    """Where every row goes, on the device: enough to run a streaming kernel without the host. The tables are
+    kernel arguments only: int32 tensors, or Pointers into a dispatch's table memory."""
     before: torch.Tensor      # [T + 1, R] int32: tokens before t that go to rank d (exclusive prefix)
-    recv_count: torch.Tensor  # [R, C] int32: rows this rank receives from (source, channel)
-    recv_base: torch.Tensor   # [R, C] int32: first output row of (source, channel)
-    prefix: torch.Tensor      # [R + 1] int32: first output row per source; prefix[R] = rows received
-    push_row0: torch.Tensor   # [R] int32: first row of this rank's rows in each destination's outputs
-    combine_row0: torch.Tensor  # [R] int32: first slot of this rank's rows in each source's combine area
+    recv_count: Any           # [R, C] int32: rows this rank receives from (source, channel)
+    recv_base: Any            # [R, C] int32: first output row of (source, channel)
+    prefix: Any               # [R + 1] int32: first output row per source; prefix[R] = rows received
+    push_row0: Any            # [R] int32: first row of this rank's rows in each destination's outputs
+    combine_row0: Any         # [R] int32: first slot of this rank's rows in each source's combine area
     num_channels: int
     max_recv_rows: Optional[int]  # most rows any rank receives, most any rank sends (None: unknown to the
     max_send_rows: Optional[int]  # host, so the rings serve this routing)
@@ -126,7 +126,10 @@ class NVLinkTransport(Transport):
         self.layout_done = torch.zeros(1, dtype=torch.int32, device=device)
         self.layout_sums = torch.zeros(0, dtype=torch.int32, device=device)
         self._retired_layout_sums: List[torch.Tensor] = []
-        self.scratch = torch.zeros(4 + R, dtype=torch.int64, device=device)   # value checks of a dispatch
+        scratch = torch.zeros(4 + R, dtype=torch.int64, device=device)   # value checks of a dispatch
+        self.checks, self.mismatch = scratch[:4], scratch[4:]
+        self._no_ids = torch.zeros(1, dtype=torch.int64, device=device)   # topk_idx of a dispatch without one
+        self._signatures: Dict[tuple, int] = {}   # _signature's results
         self.timeout_ns = int(timeout_s * 1e9)
         self._channels: Optional[int] = None
         self._plans: Dict[int, _Plan] = {}   # id(handle[3]) -> plan, forgotten with the handle
@@ -236,41 +239,42 @@ class NVLinkTransport(Transport):
     # ---- dispatch ------------------------------------------------------------------------------------------
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels):
-        from .notify import notify_kernel
-        from .plan import plan_kernel, prepare_kernel
         topo, dev = self.topology, self.device
         R, C, rank = topo.num_ranks, num_channels, topo.rank
         num_tokens, num_experts = x.shape[0], num_tokens_per_expert.numel()
         experts_per_rank = num_experts // R
         self._begin(C)
         geometry = self._dispatch_geometry(x, x_scales, topk_idx, C)
-        signature = _signature("dispatch", x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1],
-                               0 if topk_idx is None else topk_idx.shape[1], topk_weights is not None, C, num_experts,
-                               self.total_words)
+        shapes = (x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1],
+                  0 if topk_idx is None else topk_idx.shape[1], topk_weights is not None, C, num_experts)
+        signature = self._signatures.get(shapes)
+        if signature is None:
+            signature = self._signatures[shapes] = _signature("dispatch", *shapes, self.total_words)
+        key = ("notify", C, num_experts, bool(num_worst_tokens))
+        prepare, notify, plan_tables = self._launches.get(key) or self._notify_launches(key)
         before = torch.empty((num_tokens + 1, R), dtype=torch.int32, device=dev)
         send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=dev)
         channel_counts = torch.empty((R, C), dtype=torch.int32, device=dev)
-        checks, mismatch = self.scratch[:4], self.scratch[4:]
-        in_rank = Pointer(is_token_in_rank, torch.int8)
-        ids = torch.zeros(1, dtype=torch.int64, device=dev) if topk_idx is None else topk_idx
-        launch(prepare_kernel, (R + 1,), in_rank, num_tokens_per_rank, ids, self.layout_bad, before, send_head,
-               channel_counts, mismatch, checks, self.epoch, num_tokens, 0 if topk_idx is None else topk_idx.numel(),
-               num_experts, C, 1 if num_worst_tokens else 0, R=R, BLOCK=1024, BLOCK_C=_next_pow2(C), BLOCK_IDS=8192,
-               num_warps=8)
+        prepare(Pointer(is_token_in_rank, torch.int8), num_tokens_per_rank,
+                self._no_ids if topk_idx is None else topk_idx, before, send_head, channel_counts, num_tokens,
+                0 if topk_idx is None else topk_idx.numel())
         record_len = 2 + R + experts_per_rank + C
         received = torch.empty((R, record_len), dtype=torch.int32, device=dev)
-        launch(notify_kernel, (R,), before[num_tokens], num_tokens_per_expert, channel_counts, mismatch, checks,
-               signature, received, self.peers.bases, self.notify_word, self.record_word, self.epoch, self.status, rank,
-               self.timeout_ns, experts_per_rank, C, R=R, REC=record_len, STRIDE=self.record_max,
-               BLOCK=_next_pow2(record_len), BLOCK_R=_next_pow2(R), num_warps=4)
-        tables = torch.empty(R + 1 + 4 * R * C + R * R + 2 * R, dtype=torch.int32, device=dev)
-        prefix, recv_count, recv_base, recv_channel_prefix, channel_prefix, rank_prefix_matrix, push_row0, \
-            combine_row0 = _split(tables, [(R + 1,), (R, C), (R, C), (R, C), (R, C), (R, R), (R,), (R,)])
+        notify(Pointer(before, torch.int32, num_tokens * R * 4), num_tokens_per_expert, channel_counts, signature,
+               received)
+        # the plan's tables in one allocation: [prefix | recv_count | recv_base | push_row0 | combine_row0 |
+        # recv_channel_prefix | channel_prefix | rank_prefix_matrix] (the last three are the handle's tensors)
+        tables = torch.empty(R + 1 + 2 * R * C + 2 * R + 2 * R * C + R * R, dtype=torch.int32, device=dev)
+        prefix, recv_count, recv_base, push_row0, combine_row0 = (Pointer(tables, torch.int32, 4 * offset)
+                                                                  for offset in plan_tables[:5])
+        handle_tables = tables[plan_tables[5]:]
+        recv_channel_prefix = handle_tables[:R * C].view(R, C)
+        channel_prefix = handle_tables[R * C:2 * R * C].view(R, C)
+        rank_prefix_matrix = handle_tables[2 * R * C:].view(R, R)
         payload = torch.empty(1 + experts_per_rank + 2 * R + 6, dtype=torch.int64, device=dev)
-        launch(plan_kernel, (1,), received, channel_counts, prefix, recv_count, recv_base, rank_prefix_matrix,
-               channel_prefix, recv_channel_prefix, push_row0, combine_row0, payload, checks, rank, experts_per_rank,
-               expert_alignment, REC=record_len, R=R, C=C, BLOCK_R=_next_pow2(R), BLOCK_C=_next_pow2(C),
-               BLOCK_E=_next_pow2(experts_per_rank), num_warps=4)
+        self._launches[("plan", C, experts_per_rank)](
+            received, channel_counts, prefix, recv_count, recv_base, rank_prefix_matrix, channel_prefix,
+            recv_channel_prefix, push_row0, combine_row0, payload, expert_alignment)
         if num_worst_tokens:
             num_rows, aligned_list, most = num_worst_tokens, [], (None, None)
         else:
@@ -282,6 +286,41 @@ class NVLinkTransport(Transport):
         out.num_recv_tokens_per_expert_list = aligned_list
         self._remember(out.handle[3], plan)
         return out
+
+    def _notify_launches(self, key: tuple):
+        """The prepare and notify kernels of a non-cached dispatch for (channels, experts, no host wait), the
+        plan kernel's relaunch (under its own key), and the word offsets of the plan's tables (prefix,
+        recv_count, recv_base, push_row0, combine_row0, then where the handle's tables start)."""
+        from .notify import notify_kernel
+        from .plan import plan_kernel, prepare_kernel
+        _, C, num_experts, no_wait = key
+        R, rank = self.topology.num_ranks, self.topology.rank
+        experts_per_rank = num_experts // R
+        record_len = 2 + R + experts_per_rank + C
+        prepare = Relaunch(prepare_kernel, (R + 1,), ("in_rank_ptr", "per_rank_ptr", "idx_ptr", "before_ptr",
+                                                     "send_head_ptr", "channel_counts_ptr", "num_tokens", "num_ids"),
+                           layout_bad_ptr=self.layout_bad, mismatch_ptr=self.mismatch, checks_ptr=self.checks,
+                           epoch_ptr=self.epoch, num_experts=num_experts, C=C, no_wait=1 if no_wait else 0, R=R,
+                           BLOCK=1024, BLOCK_C=_next_pow2(C), BLOCK_IDS=8192, num_warps=8)
+        notify = Relaunch(notify_kernel, (R,), ("colsum_ptr", "per_expert_ptr", "channel_counts_ptr", "signature",
+                                                "received_ptr"),
+                          mismatch_ptr=self.mismatch, checks_ptr=self.checks, bases_ptr=self.peers.bases,
+                          notify_flag_word=self.notify_word, notify_word=self.record_word, epoch_ptr=self.epoch,
+                          status_ptr=self.status, rank=rank, timeout_ns=self.timeout_ns,
+                          experts_per_rank=experts_per_rank, C=C, R=R, REC=record_len, STRIDE=self.record_max,
+                          BLOCK=_next_pow2(record_len), BLOCK_R=_next_pow2(R), num_warps=4)
+        if ("plan", C, experts_per_rank) not in self._launches:
+            self._launches[("plan", C, experts_per_rank)] = Relaunch(
+                plan_kernel, (1,), ("received_ptr", "channel_counts_ptr", "prefix_ptr", "recv_count_ptr",
+                                    "recv_base_ptr", "rank_prefix_ptr", "channel_prefix_ptr",
+                                    "recv_channel_prefix_ptr", "push_row0_ptr", "combine_row0_ptr", "payload_ptr",
+                                    "expert_alignment"),
+                checks_ptr=self.checks, rank=rank, experts_per_rank=experts_per_rank, REC=record_len, R=R, C=C,
+                BLOCK_R=_next_pow2(R), BLOCK_C=_next_pow2(C), BLOCK_E=_next_pow2(experts_per_rank), num_warps=4)
+        sizes = (R + 1, R * C, R * C, R, R)
+        offsets = tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
+        self._launches[key] = prepare, notify, offsets
+        return prepare, notify, offsets
 
     def _wait_counts(self, payload, signature, num_experts):
         """The API's host wait for the received counts; with it, every rank learns whether all ranks called
@@ -518,16 +557,6 @@ def plan_from_handle(handle, rank: int, read_shares: bool) -> _Plan:
     return _Plan(_before(in_rank), (ends - recv_channel_prefix).to(torch.int32),
                  (prefix[:num_ranks].view(num_ranks, 1) + recv_channel_prefix).to(torch.int32), prefix, push_row0,
                  combine_row0, num_channels, *shares)
-
-
-def _split(flat: torch.Tensor, shapes):
-    """Views of consecutive parts of `flat` with the given shapes."""
-    views, offset = [], 0
-    for shape in shapes:
-        size = math.prod(shape)
-        views.append(flat[offset:offset + size].view(shape))
-        offset += size
-    return views
 
 
 def _before(is_token_in_rank: torch.Tensor) -> torch.Tensor:

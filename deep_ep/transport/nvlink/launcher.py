@@ -44,15 +44,15 @@ class _Signature:
 
 
 class Pointer:
-    """`Pointer(tensor, dtype)`: a CUDA tensor's memory as a kernel argument of another dtype, without a torch
-    view (each view costs a few us of host time). Triton's launch and `launch` take any object with
-    `data_ptr()` and `dtype` as a pointer. Holds the tensor, so that a launch deferred in a closure (a
-    receive hook) keeps its memory allocated, as a view would."""
+    """`Pointer(tensor, dtype, offset=0)`: a CUDA tensor's memory from `offset` bytes in, as a kernel argument
+    of another dtype, without a torch view (each view or slice costs a few us of host time). Triton's launch
+    and `launch` take any object with `data_ptr()` and `dtype` as a pointer. Holds the tensor, so that a
+    launch deferred in a closure (a receive hook) keeps its memory allocated, as a view would."""
     __slots__ = ("address", "dtype", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype, offset: int = 0) -> None:
         self.tensor = tensor
-        self.address = tensor.data_ptr()
+        self.address = tensor.data_ptr() + offset
         self.dtype = dtype
 
     def data_ptr(self) -> int:
