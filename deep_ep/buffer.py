@@ -241,7 +241,7 @@ class Buffer:
             source token); top-k ids are local expert ids or -1 (weight 0).
         """
         self._live("dispatch")
-        config = config if config is not None else self._default_config(Buffer.get_dispatch_config)
+        config = config if config is not None else self._default_config(self.get_dispatch_config)
         num_channels = self._check_config(config)
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         data, scales = self._check_dispatch_x(x)
@@ -318,7 +318,7 @@ class Buffer:
             the rows from the destination ranks in ascending rank order, plus the biases, rounded once.
         """
         self._live("combine")
-        config = config if config is not None else self._default_config(Buffer.get_combine_config)
+        config = config if config is not None else self._default_config(self.get_combine_config)
         num_channels = self._check_config(config)
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         num_tokens, num_rows = self._check_handle("handle", handle, None, num_channels)

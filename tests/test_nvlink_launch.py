@@ -182,10 +182,51 @@ def test_relaunch_needs_every_fixed_value_and_fixed_constexprs(recorder):
         launcher.Relaunch(recorder, (1,), ("src_ptr", "BLOCK"), dst_ptr=dst, num=8, scale=1, offset=0, NEGATE=False)
 
 
+def test_relaunch_without_the_cache_goes_through_triton(recorder, monkeypatch):
+    monkeypatch.setattr(launcher, "ENABLED", False)   # DEEP_EP_FAST_LAUNCH=0 or Triton's interpreter
+    src = torch.zeros(8, dtype=torch.int32)
+    relaunch = launcher.Relaunch(recorder, (1,), ("src_ptr",), dst_ptr=src, num=8, scale=1, offset=0, BLOCK=8,
+                                 NEGATE=False)
+    for _ in range(3):
+        relaunch(launcher.Pointer(src, torch.int32))
+    assert len(recorder.triton_calls) == 3 and not recorder.runs
+
+
+def test_relaunch_runs_under_tritons_interpreter(tmp_path):
+    """A kernel of Triton's interpreter (no `params`) relaunched on CPU tensors: Triton's own path, correct
+    results."""
+    import subprocess
+    import sys
+    import textwrap
+    script = tmp_path / "interpreted.py"
+    script.write_text(textwrap.dedent("""
+        import torch, triton, triton.language as tl
+        from deep_ep.transport.nvlink import launcher
+
+        @triton.jit
+        def double(src, dst, n, BLOCK: tl.constexpr):
+            i = tl.arange(0, BLOCK)
+            tl.store(dst + i, tl.load(src + i, mask=i < n) * 2, mask=i < n)
+
+        relaunch = launcher.Relaunch(double, (1,), ("src", "dst", "n"), BLOCK=16)
+        for n in (16, 5):
+            src = torch.randint(-100, 100, (16,), dtype=torch.int32)
+            dst = torch.zeros(16, dtype=torch.int32)
+            relaunch(src, dst, n)
+            assert torch.equal(dst[:n], src[:n] * 2) and not dst[n:].any(), (n, src, dst)
+        print("ok")
+    """))
+    import os
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def test_pointer_is_a_typed_raw_address():
     words = torch.arange(16, dtype=torch.int16)
     pointer = launcher.Pointer(words, torch.int32)
     assert pointer.data_ptr() == words.data_ptr() and pointer.dtype == torch.int32
+    assert launcher.Pointer(words, torch.int32, 8).data_ptr() == words.data_ptr() + 8
 
 
 def _expected(src, num, scale, offset, negate):

@@ -36,11 +36,19 @@ class _Signature:
     """A kernel's parameters: names in order, which are constexpr. Keeps the kernel alive, so that the
     `id` that keys its compiled forms is never reused."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, names: Optional[List[str]] = None, constexpr: Optional[List[bool]] = None) -> None:
         self.fn = fn
-        self.names = [param.name for param in fn.params]
+        self.names = [param.name for param in fn.params] if names is None else names
         self.index = {name: i for i, name in enumerate(self.names)}
-        self.constexpr = [param.is_constexpr for param in fn.params]
+        self.constexpr = [param.is_constexpr for param in fn.params] if constexpr is None else constexpr
+
+    @classmethod
+    def of_names(cls, fn: Any) -> "_Signature":
+        """The parameter names of a kernel without `params` (constexprs not known)."""
+        names = getattr(fn, "arg_names", None)
+        if names is None:
+            raise TypeError(f"Relaunch needs a Triton kernel, got {fn!r}")
+        return cls(fn, list(names), [False] * len(names))
 
 
 class Pointer:
@@ -168,9 +176,9 @@ class Relaunch:
 
     def __init__(self, fn: Any, grid: Tuple[int, ...], vary: Tuple[str, ...], *args: Any, **kwargs: Any) -> None:
         self.fn, self.grid = fn, tuple(grid) + (1, 1)
-        signature = _signature(fn)
-        if signature is None:
-            raise TypeError(f"Relaunch needs a @triton.jit kernel, got {fn!r}")
+        # (Triton's interpreter gives kernels without `params`: their relaunches always take `launch`'s path,
+        # which hands them to Triton)
+        signature = _signature(fn) or _Signature.of_names(fn)
         varied = [signature.index[name] for name in vary]
         if any(signature.constexpr[position] for position in varied):
             raise TypeError(f"Relaunch of {_name(fn)}: constexprs are fixed (vary: {vary})")
@@ -195,6 +203,8 @@ class Relaunch:
 
     def __call__(self, *changed: Any, grid: Optional[Tuple[int, ...]] = None) -> None:
         grid = self.grid if grid is None else tuple(grid) + (1, 1)
+        if not ENABLED:
+            return self._launch(grid, changed, None)
         packed = self.packed.copy()
         device = torch.cuda.current_device()
         spec: List[Any] = [device]
