@@ -95,19 +95,20 @@ def _int_spec(value: int) -> Any:
 
 
 def _bind(signature: _Signature, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
-    """(every parameter's value in order, [(option, value)]), or None if some parameter has no value."""
+    """(every parameter's value in order, {option: value}); a parameter without a value holds _MISSING."""
     values: List[Any] = list(args)
-    values.extend([None] * (len(signature.names) - len(args)))
-    options = []
-    given = len(args)
+    values.extend([_MISSING] * (len(signature.names) - len(args)))
+    options = {}
     for name, value in kwargs.items():
         position = signature.index.get(name)
         if position is None:
-            options.append((name, value))
+            options[name] = value
         else:
             values[position] = value
-            given += 1
-    return (values, options) if given == len(values) else None
+    return values, options
+
+
+_MISSING = object()   # a parameter's place in _bind's values until it gets one
 
 
 def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -120,13 +121,12 @@ def _launch(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[
     """`launch`; returns the compiled kernel when the call went by the cache's key (None when it went through
     Triton's path for another reason: hooks, arguments the key does not cover, ...)."""
     signature = _signature(fn) if ENABLED and not _hooks_set() else None
-    bound = None if signature is None else _bind(signature, args, kwargs)
-    if bound is None:   # (missing values: Triton's path fills in defaults or says what is wrong)
-        fn[grid](*args, **kwargs)
+    values, options = _bind(signature, args, kwargs) if signature is not None else ((), {})
+    if signature is None or any(value is _MISSING for value in values):
+        fn[grid](*args, **kwargs)   # (missing values: Triton's path fills in defaults or says what is wrong)
         return None
-    values, options = bound
     device = torch.cuda.current_device()
-    key: List[Any] = [id(fn), device, *options]
+    key: List[Any] = [id(fn), device, *options.items()]
     append = key.append
     for position, (value, is_constexpr) in enumerate(zip(values, signature.constexpr)):
         kind = value.__class__
@@ -182,18 +182,10 @@ class Relaunch:
         varied = [signature.index[name] for name in vary]
         if any(signature.constexpr[position] for position in varied):
             raise TypeError(f"Relaunch of {_name(fn)}: constexprs are fixed (vary: {vary})")
-        values: List[Any] = [_VARIED] * len(signature.names)
-        values[:len(args)] = args
-        self.options = {}
-        for name, value in kwargs.items():
-            position = signature.index.get(name)
-            if position is None:
-                self.options[name] = value
-            else:
-                values[position] = value
+        values, self.options = _bind(signature, args, kwargs)
         for position in varied:   # (never keep a per-call tensor alive)
-            values[position] = _VARIED
-        missing = [name for name, value in zip(signature.names, values) if value is _VARIED and name not in vary]
+            values[position] = _MISSING
+        missing = [name for name, value in zip(signature.names, values) if value is _MISSING and name not in vary]
         if missing:
             raise TypeError(f"Relaunch of {_name(fn)}: no value for {missing}")
         self.values = values
@@ -237,9 +229,6 @@ class Relaunch:
         kernel = _launch(self.fn, grid[:3], tuple(values), self.options)
         if kernel is not None and key is not None:
             self.kernels[key] = kernel
-
-
-_VARIED = object()   # a varied parameter's place in Relaunch.values
 
 
 def _name(fn: Any) -> str:
