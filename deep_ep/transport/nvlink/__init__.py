@@ -251,7 +251,7 @@ class NVLinkTransport(Transport):
         if signature is None:
             signature = self._signatures[shapes] = _signature("dispatch", *shapes, self.total_words)
         key = ("notify", C, num_experts, bool(num_worst_tokens))
-        prepare, notify, plan_tables = self._launches.get(key) or self._notify_launches(key)
+        prepare, notify, fill_plan, plan_tables = self._launches.get(key) or self._notify_launches(key)
         before = torch.empty((num_tokens + 1, R), dtype=torch.int32, device=dev)
         send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=dev)
         channel_counts = torch.empty((R, C), dtype=torch.int32, device=dev)
@@ -272,9 +272,8 @@ class NVLinkTransport(Transport):
         channel_prefix = handle_tables[R * C:2 * R * C].view(R, C)
         rank_prefix_matrix = handle_tables[2 * R * C:].view(R, R)
         payload = torch.empty(1 + experts_per_rank + 2 * R + 6, dtype=torch.int64, device=dev)
-        self._launches[("plan", C, experts_per_rank)](
-            received, channel_counts, prefix, recv_count, recv_base, rank_prefix_matrix, channel_prefix,
-            recv_channel_prefix, push_row0, combine_row0, payload, expert_alignment)
+        fill_plan(received, channel_counts, prefix, recv_count, recv_base, rank_prefix_matrix, channel_prefix,
+                  recv_channel_prefix, push_row0, combine_row0, payload, expert_alignment)
         if num_worst_tokens:
             num_rows, aligned_list, most = num_worst_tokens, [], (None, None)
         else:
@@ -288,9 +287,9 @@ class NVLinkTransport(Transport):
         return out
 
     def _notify_launches(self, key: tuple):
-        """The prepare and notify kernels of a non-cached dispatch for (channels, experts, no host wait), the
-        plan kernel's relaunch (under its own key), and the word offsets of the plan's tables (prefix,
-        recv_count, recv_base, push_row0, combine_row0, then where the handle's tables start)."""
+        """The prepare, notify and plan kernels of a non-cached dispatch for (channels, experts, no host wait),
+        and the word offsets of the plan's tables (prefix, recv_count, recv_base, push_row0, combine_row0, then
+        where the handle's tables start)."""
         from .notify import notify_kernel
         from .plan import plan_kernel, prepare_kernel
         _, C, num_experts, no_wait = key
@@ -309,18 +308,17 @@ class NVLinkTransport(Transport):
                           status_ptr=self.status, rank=rank, timeout_ns=self.timeout_ns,
                           experts_per_rank=experts_per_rank, C=C, R=R, REC=record_len, STRIDE=self.record_max,
                           BLOCK=_next_pow2(record_len), BLOCK_R=_next_pow2(R), num_warps=4)
-        if ("plan", C, experts_per_rank) not in self._launches:
-            self._launches[("plan", C, experts_per_rank)] = Relaunch(
-                plan_kernel, (1,), ("received_ptr", "channel_counts_ptr", "prefix_ptr", "recv_count_ptr",
-                                    "recv_base_ptr", "rank_prefix_ptr", "channel_prefix_ptr",
-                                    "recv_channel_prefix_ptr", "push_row0_ptr", "combine_row0_ptr", "payload_ptr",
-                                    "expert_alignment"),
-                checks_ptr=self.checks, rank=rank, experts_per_rank=experts_per_rank, REC=record_len, R=R, C=C,
-                BLOCK_R=_next_pow2(R), BLOCK_C=_next_pow2(C), BLOCK_E=_next_pow2(experts_per_rank), num_warps=4)
+        plan = Relaunch(plan_kernel, (1,), ("received_ptr", "channel_counts_ptr", "prefix_ptr", "recv_count_ptr",
+                                            "recv_base_ptr", "rank_prefix_ptr", "channel_prefix_ptr",
+                                            "recv_channel_prefix_ptr", "push_row0_ptr", "combine_row0_ptr",
+                                            "payload_ptr", "expert_alignment"),
+                        checks_ptr=self.checks, rank=rank, experts_per_rank=experts_per_rank, REC=record_len, R=R,
+                        C=C, BLOCK_R=_next_pow2(R), BLOCK_C=_next_pow2(C), BLOCK_E=_next_pow2(experts_per_rank),
+                        num_warps=4)
         sizes = (R + 1, R * C, R * C, R, R)
         offsets = tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
-        self._launches[key] = prepare, notify, offsets
-        return prepare, notify, offsets
+        self._launches[key] = prepare, notify, plan, offsets
+        return prepare, notify, plan, offsets
 
     def _wait_counts(self, payload, signature, num_experts):
         """The API's host wait for the received counts; with it, every rank learns whether all ranks called
