@@ -209,9 +209,10 @@ class NVLinkTransport(Transport):
     def get_dispatch_layout(self, topk_idx, num_experts):
         R, dev = self.topology.num_ranks, self.device
         num_tokens, topk = topk_idx.shape
-        relaunch = self._launches.get(("layout", topk, num_experts))
+        key = ("layout", topk, num_experts)
+        relaunch = self._launches.get(key)
         if relaunch is None:
-            relaunch = self._layout_launch(topk, num_experts)
+            relaunch = self._launches[key] = self._layout_launch(topk, num_experts)
         per_rank = torch.empty(R, dtype=torch.int32, device=dev)
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
         in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=dev)
@@ -228,13 +229,12 @@ class NVLinkTransport(Transport):
                                    "graph capture first (it sets up the kernel's accumulator, which a capture cannot)")
             self._retired_layout_sums.append(self.layout_sums)   # graphs captured with it still use it
             self.layout_sums = torch.zeros(R + num_experts, dtype=torch.int32, device=self.device)
-        relaunch = self._launches[("layout", topk, num_experts)] = Relaunch(
+        return Relaunch(
             layout_kernel, (1,), ("idx_ptr", "per_rank_ptr", "per_expert_ptr", "in_rank_ptr", "num_tokens"),
             sums_ptr=self.layout_sums, done_ptr=self.layout_done, bad_ptr=self.layout_bad, num_experts=num_experts,
             experts_per_rank=num_experts // R, K=topk, R=R, BLOCK_T=LAYOUT_TOKENS, BLOCK_K=_next_pow2(topk),
             BLOCK_R=_next_pow2(R), BLOCK_E=_next_pow2(num_experts + 1) if num_experts <= HISTOGRAM_MAX else 0,
             COPY=COPY_BLOCK, num_warps=4)
-        return relaunch
 
     # ---- dispatch ------------------------------------------------------------------------------------------
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
@@ -387,7 +387,8 @@ class NVLinkTransport(Transport):
         recv_weights = None if topk_weights is None else torch.empty((num_rows, topk), dtype=torch.float32, device=dev)
         recv_src = torch.empty(num_rows, dtype=torch.int32, device=dev)
         direct = self._fits_whole(plan.max_recv_rows, slot_words)
-        key = ("dispatch", direct, geometry, plan.num_channels, topk_weights is not None, expert_begin, experts_per_rank)
+        key = ("dispatch", direct, geometry, plan.num_channels, topk_weights is not None, expert_begin,
+               experts_per_rank)
         relaunch = self._launches.get(key)
         if relaunch is None:
             relaunch = self._launches[key] = self._dispatch_launch(direct, geometry, plan.num_channels,
@@ -417,12 +418,14 @@ class NVLinkTransport(Transport):
                      expert_begin=expert_begin, experts_per_rank=max(experts_per_rank, 1), ops_word=self.ops_word,
                      done_word=self.done_word, ticket_word=self.ticket_word, slot_words=slot_words,
                      timeout_ns=self.timeout_ns, C=C, R=R, XW=hidden_words, SW=scale_words, K=topk, HAS_W=has_weights,
-                     ID_OFF=id_offset, BLOCK_X=_next_pow2(max(hidden_words, 1)), BLOCK_S=_next_pow2(max(scale_words, 1)),
+                     ID_OFF=id_offset, BLOCK_X=_next_pow2(max(hidden_words, 1)),
+                     BLOCK_S=_next_pow2(max(scale_words, 1)),
                      BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R),
                      ROWS=_rows_per_step(hidden_words, DISPATCH_TILE), num_warps=NUM_WARPS)
         if direct:
             from .direct import direct_dispatch_kernel
-            return Relaunch(direct_dispatch_kernel, (2 * C,), _DISPATCH_VARY[:9] + ("push_row0_ptr",) + _DISPATCH_VARY[9:],
+            vary = _DISPATCH_VARY[:9] + ("push_row0_ptr",) + _DISPATCH_VARY[9:]
+            return Relaunch(direct_dispatch_kernel, (2 * C,), vary,
                             arrive_word=self.arrive_word, slot_word=self.ring_word,
                             capacity=self._capacity(slot_words), AMAX=2 * CMAX, **fixed)
         from .dispatch import dispatch_kernel
@@ -438,8 +441,7 @@ class NVLinkTransport(Transport):
         self._begin(C)
         topk = 0 if topk_weights is None else topk_weights.shape[1]
         bias0, bias1 = biases
-        slot_words = _round_up(_round_up(topk, 4) + hidden // 2, 4)
-        direct = self._fits_whole(plan.max_send_rows, slot_words)
+        direct = self._fits_whole(plan.max_send_rows, _combine_slot(topk, hidden)[1])
         key = ("combine", hidden, topk, bias0 is not None, bias1 is not None, C, direct)
         relaunch = self._launches.get(key)
         if relaunch is None:
@@ -465,22 +467,23 @@ class NVLinkTransport(Transport):
         """The combine kernel with what stays the same for a shape (the rest: _COMBINE_VARY and the plan's
         tables)."""
         R = self.topology.num_ranks
-        x_offset = _round_up(topk, 4)
-        slot_words = _round_up(x_offset + hidden // 2, 4)
+        x_offset, slot_words = _combine_slot(topk, hidden)
         ring_words, ring_slots, batch = self._rings(slot_words, C, "combine")
         fixed = dict(bases_ptr=self.peers.bases, status_ptr=self.status, rank=self.topology.rank,
                      ops_word=self.ops_word, done_word=self.done_word, ticket_word=self.ticket_word,
                      slot_words=slot_words, timeout_ns=self.timeout_ns, R=R, H=hidden, K=topk, X_OFF=x_offset,
-                     HAS_BIAS0=has_bias0, HAS_BIAS1=has_bias1, BLOCK_H=_next_pow2(hidden), BLOCK_K=_next_pow2(max(topk, 1)),
-                     BLOCK_R=_next_pow2(R), ROWS=_rows_per_step(hidden, COMBINE_TILE), num_warps=NUM_WARPS)
+                     HAS_BIAS0=has_bias0, HAS_BIAS1=has_bias1, BLOCK_H=_next_pow2(hidden),
+                     BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R),
+                     ROWS=_rows_per_step(hidden, COMBINE_TILE), num_warps=NUM_WARPS)
         if direct:
             from .direct import direct_combine_kernel
-            return Relaunch(direct_combine_kernel, (2 * C,), _COMBINE_VARY[:4] + ("prefix_ptr", "combine_row0_ptr")
-                                + _COMBINE_VARY[4:], arrive_word=self.arrive_word, slot_word=self.ring_word,
-                                capacity=self._capacity(slot_words), AMAX=2 * CMAX, BLOCK_P=_next_pow2(2 * C), **fixed)
+            vary = _COMBINE_VARY[:4] + ("prefix_ptr", "combine_row0_ptr") + _COMBINE_VARY[4:]
+            return Relaunch(direct_combine_kernel, (2 * C,), vary, arrive_word=self.arrive_word,
+                            slot_word=self.ring_word, capacity=self._capacity(slot_words), AMAX=2 * CMAX,
+                            BLOCK_P=_next_pow2(2 * C), **fixed)
         from .combine import combine_kernel
-        return Relaunch(combine_kernel, (2 * C,), _COMBINE_VARY[:4] + ("recv_count_ptr", "recv_base_ptr", "prefix_ptr")
-                        + _COMBINE_VARY[4:], tail_word=self.tail_word, head_word=self.head_word,
+        vary = _COMBINE_VARY[:4] + ("recv_count_ptr", "recv_base_ptr", "prefix_ptr") + _COMBINE_VARY[4:]
+        return Relaunch(combine_kernel, (2 * C,), vary, tail_word=self.tail_word, head_word=self.head_word,
                         sent_word=self.sent_word, recvd_word=self.recvd_word, ring_word=self.ring_word,
                         ring_words=ring_words, ring_slots=ring_slots, batch=batch, C=C, CMAX=CMAX, **fixed)
 
@@ -525,6 +528,12 @@ _DISPATCH_VARY = ("x_ptr", "scales_ptr", "idx_ptr", "weights_ptr", "in_rank_ptr"
 # the combine kernels' arguments that change from call to call, less the plan's tables in the middle
 _COMBINE_VARY = ("x_ptr", "weights_ptr", "in_rank_ptr", "before_ptr", "bias0_ptr", "bias1_ptr", "out_ptr",
                  "out_weights_ptr", "num_tokens", "num_rows")
+
+
+def _combine_slot(topk: int, hidden: int):
+    """(word offset of the row in a combine slot, words per slot): top-k weights first, then the bf16 row."""
+    x_offset = _round_up(topk, 4)
+    return x_offset, _round_up(x_offset + hidden // 2, 4)
 
 
 def _rows_per_step(row_elements: int, tile_elements: int) -> int:

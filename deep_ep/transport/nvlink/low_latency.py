@@ -170,7 +170,8 @@ class NVLinkLowLatency:
             receive=Relaunch(ll_dispatch_recv_kernel, (max(1, min(experts_per_rank, 2 * self.num_sms)),),
                              _DISPATCH_OUTPUTS, **receive, num_warps=NUM_WARPS),
             fused=Relaunch(ll_dispatch_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + _DISPATCH_OUTPUTS[1:], **send,
-                           **receive_only, num_warps=NUM_WARPS, launch_cooperative_grid=True) if self.can_fuse else None,
+                           **receive_only, num_warps=NUM_WARPS, launch_cooperative_grid=True)
+            if self.can_fuse else None,
             x_shape=(experts_per_rank, slots, hidden), scale_shape=(experts_per_rank, scale_words, slots),
             count_shape=(experts_per_rank,), table_shape=(experts_per_rank, slots), range_shape=(experts_per_rank, R))
 
@@ -252,7 +253,8 @@ class NVLinkLowLatency:
             plan["fused"](x, layout_range, route, *per_call)
             return _nothing
         plan["send"](x, layout_range, route, mask)
-        receive, receive_grid = plan["receive"], (max(1, min(num_tokens * -(-hidden // plan["chunk"]), 2 * self.num_sms)),)
+        receive = plan["receive"]
+        receive_grid = (max(1, min(num_tokens * -(-hidden // plan["chunk"]), 2 * self.num_sms)),)
 
         def receive_step() -> None:   # (keeps only the receive's arguments alive)
             receive(*per_call, grid=receive_grid)
