@@ -131,7 +131,9 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
             for k in tl.static_range(K):   # no branch: the K loads can all be in flight at once
                 use = tl.sum((valid & (ko == k)).to(tl.int32)) > 0
                 w = tl.sum(tl.where(valid & (ko == k), weights, 0.0))
-                values = tl.load(rows_ptr + (t.to(tl.int64) * K + k) * H + ho, mask=use & (ho < H), other=0.0)
+                # loaded whether or not the slot is used (an unused slot's stale bits are dropped below), so the
+                # load need not wait for the ids
+                values = tl.load(rows_ptr + (t.to(tl.int64) * K + k) * H + ho, mask=ho < H, other=0.0)
                 acc = acc + tl.where(use, w * values.to(tl.float32), 0.0)
             tl.store(out_ptr + t.to(tl.int64) * H + ho, acc.to(tl.bfloat16), mask=ho < H)
     finish_receive(finished_ptr, received_ptr, received)

@@ -35,10 +35,16 @@ NUM_WARPS = int(os.environ.get("DEEP_EP_LL_NUM_WARPS", "8"))
 RECV_ROWS = 4             # rows a dispatch receive program copies at once
 COMBINE_SEND_ROWS = 4     # rows a combine send program moves at once
 COMBINE_TILE = 8192       # values of the K rows a combine receive program loads at once
+# receive kernels: up to RECV_PROGRAMS_PER_SM programs of RECV_WARPS warps per SM. The dispatch receive takes
+# one local expert per program, the combine receive a few (token, chunk) items: the kernel lasts as long
+# as its busiest program, and small programs keep their block-wide reductions cheap (one H200, one rank, 128
+# tokens, us, 2 x 8 warps per SM / 4 x 4: dispatch receive 12.3 / 9.4, combine receive 11.7 / 7.3)
+RECV_PROGRAMS_PER_SM = 4
+RECV_WARPS = 4
 # most tokens for which a call without a hook runs as one kernel: the fused kernel saves a launch and a gap,
-# but receives with NUM_SENDERS programs instead of up to two per SM (one H200, one rank, graph replays of
-# dispatch + combine, us, fused / two kernels: 1 token 24.5 / 26.8, 8: 28.9 / 34.8, 32: 36.6 / 33.2,
-# 128: 56.5 / 50.1)
+# but receives with NUM_SENDERS programs instead of up to RECV_PROGRAMS_PER_SM per SM (one H200, one rank,
+# graph replays of dispatch + combine, us, fused / two kernels: 1 token 24.5 / 26.8, 8: 28.9 / 34.8, 32:
+# 36.6 / 33.2, 128: 56.5 / 50.1; measured before the receive kernels took smaller programs)
 FUSED_MAX_TOKENS = int(os.environ.get("DEEP_EP_LL_FUSED_MAX_TOKENS", "16"))
 
 
@@ -167,8 +173,9 @@ class NVLinkLowLatency:
         receive = dict(receive_only, **_pick(send, _DISPATCH_SHARED))
         return dict(
             send=Relaunch(ll_dispatch_send_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS, **send, num_warps=NUM_WARPS),
-            receive=Relaunch(ll_dispatch_recv_kernel, (max(1, min(experts_per_rank, 2 * self.num_sms)),),
-                             _DISPATCH_OUTPUTS, **receive, num_warps=NUM_WARPS),
+            receive=Relaunch(ll_dispatch_recv_kernel,
+                             (max(1, min(experts_per_rank, RECV_PROGRAMS_PER_SM * self.num_sms)),),
+                             _DISPATCH_OUTPUTS, **receive, num_warps=RECV_WARPS),
             fused=Relaunch(ll_dispatch_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + _DISPATCH_OUTPUTS[1:], **send,
                            **receive_only, num_warps=NUM_WARPS, launch_cooperative_grid=True)
             if self.can_fuse else None,
@@ -254,7 +261,8 @@ class NVLinkLowLatency:
             return _nothing
         plan["send"](x, layout_range, route, mask)
         receive = plan["receive"]
-        receive_grid = (max(1, min(num_tokens * -(-hidden // plan["chunk"]), 2 * self.num_sms)),)
+        items = num_tokens * -(-hidden // plan["chunk"])
+        receive_grid = (max(1, min(items, RECV_PROGRAMS_PER_SM * self.num_sms)),)
 
         def receive_step() -> None:   # (keeps only the receive's arguments alive)
             receive(*per_call, grid=receive_grid)
@@ -275,7 +283,7 @@ class NVLinkLowLatency:
             timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R, HAS_MASK=has_mask, LOGFMT=use_logfmt, BLOCK_H=block_h,
             BLOCK_E=_next_pow2(experts_per_rank), BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS)
         arrived, received, finished = self._counters(geometry, half)
-        # a receive program sums one chunk of a token's K rows, loaded at once (about 32 values a thread)
+        # a receive program sums one chunk of a token's K rows, loaded at once (COMBINE_TILE values)
         chunk = min(_next_pow2(hidden), max(128, COMBINE_TILE // _next_pow2(topk)))
         receive_only = dict(
             rows_ptr=self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.bfloat16), arrived_ptr=arrived,
@@ -287,7 +295,7 @@ class NVLinkLowLatency:
             send=Relaunch(ll_combine_send_kernel, (NUM_SENDERS,), _COMBINE_INPUTS, **send, num_warps=NUM_WARPS,
                           enable_fp_fusion=not use_logfmt),
             receive=Relaunch(ll_combine_recv_kernel, (1,), _COMBINE_OUTPUTS, **receive_only,
-                             **_pick(send, _COMBINE_SHARED), num_warps=NUM_WARPS, enable_fp_fusion=False),
+                             **_pick(send, _COMBINE_SHARED), num_warps=RECV_WARPS, enable_fp_fusion=False),
             fused=Relaunch(ll_combine_kernel, (NUM_SENDERS,), _COMBINE_INPUTS + _COMBINE_OUTPUTS[1:], **send,
                            **receive_only, num_warps=NUM_WARPS, enable_fp_fusion=False,
                            launch_cooperative_grid=True) if self.can_fuse else None,
