@@ -42,10 +42,9 @@ COMBINE_TILE = 8192       # values of the K rows a combine receive program loads
 RECV_PROGRAMS_PER_SM = 4
 RECV_WARPS = 4
 # most tokens for which a call without a hook runs as one kernel: the fused kernel saves a launch and a gap,
-# but receives with NUM_SENDERS programs instead of up to RECV_PROGRAMS_PER_SM per SM (one H200, one rank,
-# graph replays of dispatch + combine, us, fused / two kernels: 1 token 24.5 / 26.8, 8: 28.9 / 34.8, 32:
-# 36.6 / 33.2, 128: 56.5 / 50.1; measured before the receive kernels took smaller programs)
-FUSED_MAX_TOKENS = int(os.environ.get("DEEP_EP_LL_FUSED_MAX_TOKENS", "16"))
+# but receives with NUM_SENDERS programs of NUM_WARPS warps (one H200, one rank, graph replays of dispatch +
+# combine, us, fused / two kernels: 1 token 26.8-28.4 / 28.2, 8: 29.9-31.8 / 29.2, 16: 30.2-32.0 / 29.5)
+FUSED_MAX_TOKENS = int(os.environ.get("DEEP_EP_LL_FUSED_MAX_TOKENS", "4"))
 
 
 # the arguments of a call that change from call to call, in the order the Relaunches take them (the fused
