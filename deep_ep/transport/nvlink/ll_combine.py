@@ -11,6 +11,10 @@ Send (NUM_SENDERS programs over blocks of received rows, all local experts laid 
   of rank s unless s is masked. With LogFMT the row is first rounded to what a LogFMT-10 receiver decodes
   (deep_ep.fp8.logfmt_roundtrip's rules, computed here); it still travels as bf16. Then every program
   adds 1 to ARRIVED[me] of every unmasked rank (release, after a barrier over the program's stores).
+Without a hook and without LogFMT (OWN_FROM_X) the send skips the rows of this rank's own tokens, and the
+  receive reads them from x itself, where the dispatch's OWN table (after its route entries) says they are:
+  the receive runs right after the send, so x is still what the caller passed (with a hook the caller may
+  change x before calling it).
 Receive (programs over (token, chunk of CHUNK channels) items): wait until ARRIVED[r] >= NUM_SENDERS *
   (RECEIVED + 1) for every unmasked rank r; load the chunk of all K rows of the token at once, then
   out[t] = bf16(acc) with acc = 0; for k ascending over valid selections whose rank is not masked:
@@ -67,7 +71,8 @@ def _logfmt_roundtrip(values, H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.c
 def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank, num_max_tokens,
           x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, LOGFMT: tl.constexpr,
-          BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
+          BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+          OWN_FROM_X: tl.constexpr):
     pid = tl.program_id(0)
     num_senders = tl.num_programs(0)
     ro = tl.arange(0, BLOCK_R)
@@ -89,6 +94,8 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, e
         route = tl.load(route_ptr + expert.to(tl.int64) * RN + row, mask=live, other=0)
         source = route // (num_max_tokens * K)
         live = live & (source >= 0) & (source < R)   # never store through a route the dispatch did not write
+        if OWN_FROM_X:   # this rank's own rows: its receive reads them from x
+            live = live & (source != rank)
         if HAS_MASK:
             live = live & (tl.load(mask_ptr + source, mask=live, other=1) == 0)
         values = tl.load(x_ptr + (expert.to(tl.int64) * x_expert_stride + row.to(tl.int64) * x_row_stride)[:, None]
@@ -104,9 +111,10 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, e
 
 @triton.jit
 def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
-             status_ptr, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns,
+             status_ptr, x_ptr, route_ptr, rank, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
+             num_experts, experts_per_rank, num_senders, timeout_ns,
              H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
-             CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+             CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr):
     CHUNKS: tl.constexpr = (H + CHUNK - 1) // CHUNK
     pid = tl.program_id(0)
     ko = tl.arange(0, BLOCK_K)
@@ -127,13 +135,24 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
             if HAS_MASK:
                 valid = valid & (tl.load(mask_ptr + tl.where(valid, ids // experts_per_rank, 0), mask=valid,
                                          other=1) == 0)
+            if OWN_FROM_X:   # where each own selection's row is in x: OWN after the route entries
+                RN = R * num_max_tokens
+                own = valid & (ids // experts_per_rank == rank)
+                places = tl.load(route_ptr + experts_per_rank * RN + t.to(tl.int64) * K + ko, mask=own, other=0)
+                own = own & (places >= 0) & (places < experts_per_rank * RN)   # never read outside x
+                experts = places // RN
+                x_rows = experts.to(tl.int64) * x_expert_stride + (places - experts * RN).to(tl.int64) * x_row_stride
             acc = tl.zeros([CHUNK], tl.float32)
             for k in tl.static_range(K):   # no branch: the K loads can all be in flight at once
                 use = tl.sum((valid & (ko == k)).to(tl.int32)) > 0
                 w = tl.sum(tl.where(valid & (ko == k), weights, 0.0))
                 # loaded whether or not the slot is used (an unused slot's stale bits are dropped below), so the
-                # load need not wait for the ids
-                values = tl.load(rows_ptr + (t.to(tl.int64) * K + k) * H + ho, mask=ho < H, other=0.0)
+                # load need not wait for the ids (unless it may come from x)
+                row = rows_ptr + (t.to(tl.int64) * K + k) * H
+                if OWN_FROM_X:
+                    row = tl.where(tl.sum((own & (ko == k)).to(tl.int32)) > 0,
+                                   x_ptr + tl.sum(tl.where(ko == k, x_rows, 0)), row)
+                values = tl.load(row + ho, mask=ho < H, other=0.0)
                 acc = acc + tl.where(use, w * values.to(tl.float32), 0.0)
             tl.store(out_ptr + t.to(tl.int64) * H + ho, acc.to(tl.bfloat16), mask=ho < H)
     finish_receive(finished_ptr, received_ptr, received)
@@ -146,21 +165,23 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, st
                            received_offset, timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
                            LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
+                           BLOCK_R: tl.constexpr, ROWS: tl.constexpr, OWN_FROM_X: tl.constexpr):
     _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank, num_max_tokens,
           x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns, H, K, R, HAS_MASK,
-          LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS)
+          LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
 
 
 @triton.jit
 def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr,
-                           stats_ptr, status_ptr, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns,
+                           stats_ptr, status_ptr, x_ptr, route_ptr, rank, num_max_tokens, x_expert_stride,
+                           x_row_stride, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
                            HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_R: tl.constexpr):
+                           BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr):
     _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
-             status_ptr, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK,
-             HAS_STATS, CHUNK, BLOCK_K, BLOCK_R)
+             status_ptr, x_ptr, route_ptr, rank, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
+             num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, HAS_STATS, CHUNK, BLOCK_K,
+             BLOCK_R, OWN_FROM_X)
 
 
 @triton.jit
@@ -171,11 +192,13 @@ def ll_combine_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_
                       num_tokens, num_experts, num_senders,
                       H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
                       LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
-                      ROWS: tl.constexpr, HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+                      ROWS: tl.constexpr, HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                      OWN_FROM_X: tl.constexpr):
     """Send, then receive, in one launch of NUM_SENDERS programs (as ll_dispatch_kernel)."""
     _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank, num_max_tokens,
           x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns, H, K, R, HAS_MASK,
-          LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS)
+          LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
     _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
-             status_ptr, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK,
-             HAS_STATS, CHUNK, BLOCK_K, BLOCK_R)
+             status_ptr, x_ptr, route_ptr, rank, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
+             num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, HAS_STATS, CHUNK, BLOCK_K,
+             BLOCK_R, OWN_FROM_X)

@@ -18,8 +18,9 @@ Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (R
   unmasked source s (counters only grow; a half serves dispatches and combines alike). Expand MASKS[e] in
   the order (source, token, slot), the reference order, into output rows: row p of expert e copies
   SLOTS[s][t] of its token (a token that lists e twice gets two rows), src_info[e, p] = t and route[e, p] =
-  (s, t * K + k) for the combine; then layout_range, recv_count, and MASKS[e] cleared for the next use of
-  the half. The last program to finish publishes RECEIVED + 1.
+  (s, t * K + k) for the combine, and for this rank's own tokens OWN[t * K + k] = e * R * N + p (after the
+  E_loc * R * N route entries); then layout_range, recv_count, and MASKS[e] cleared for the next use of the
+  half. The last program to finish publishes RECEIVED + 1.
 A wait that exceeds the timeout records (code, peer) in the host-visible status and skips the copies (a
 timed-out receive leaves empty outputs; a timed-out sender claims no arrival).
 """
@@ -168,6 +169,9 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
                              mask=live[:, None] & (so[None, :] < SW))
                 tl.store(src_info_ptr + out_base + p, token, mask=live)
                 tl.store(route_ptr + out_base + p, source * (num_max_tokens * K) + token * K + k, mask=live)
+                # this rank's own selections, the other way round: OWN[t * K + k] = e * R * N + p
+                tl.store(route_ptr + experts_per_rank * RN + token * K + k, out_base + p,
+                         mask=live & (source == rank))
             for p0 in range(total, RN, BLOCK_RN):   # rows past the count: src_info -1, as the reference has
                 p = p0 + jo
                 tl.store(src_info_ptr + out_base + p, tl.full([BLOCK_RN], -1, tl.int32), mask=p < RN)

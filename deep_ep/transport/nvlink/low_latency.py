@@ -57,7 +57,8 @@ _COMBINE_OUTPUTS = ("mask_ptr", "idx_ptr", "weights_ptr", "out_ptr", "num_tokens
 # arguments the receive kernels take from the send kernels' argument sets
 _DISPATCH_SHARED = ("status_ptr", "rank", "experts_per_rank", "num_max_tokens", "timeout_ns", "K", "R",
                     "XW", "SW", "SLOT_W", "HAS_MASK", "BLOCK_R")
-_COMBINE_SHARED = ("status_ptr", "experts_per_rank", "timeout_ns", "H", "K", "R", "HAS_MASK", "BLOCK_R")
+_COMBINE_SHARED = ("status_ptr", "experts_per_rank", "timeout_ns", "H", "K", "R", "HAS_MASK", "BLOCK_R", "rank",
+                   "num_max_tokens", "x_expert_stride", "x_row_stride", "OWN_FROM_X")
 
 
 def _next_pow2(value: int) -> int:
@@ -179,7 +180,8 @@ class NVLinkLowLatency:
                            **receive_only, num_warps=NUM_WARPS, launch_cooperative_grid=True)
             if self.can_fuse else None,
             x_shape=(experts_per_rank, slots, hidden), scale_shape=(experts_per_rank, scale_words, slots),
-            count_shape=(experts_per_rank,), table_shape=(experts_per_rank, slots), range_shape=(experts_per_rank, R))
+            count_shape=(experts_per_rank,), table_shape=(experts_per_rank, slots), range_shape=(experts_per_rank, R),
+            route_size=experts_per_rank * slots + num_max_tokens * topk)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
                  options: LowLatencyOptions, mask: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
@@ -203,7 +205,7 @@ class NVLinkLowLatency:
         recv_count = torch.empty(plan["count_shape"], dtype=torch.int32, device=dev)
         src_info = torch.empty(plan["table_shape"], dtype=torch.int32, device=dev)
         layout_range = torch.empty(plan["range_shape"], dtype=torch.int64, device=dev)
-        route = torch.empty(plan["table_shape"], dtype=torch.int32, device=dev)
+        route = torch.empty(plan["route_size"], dtype=torch.int32, device=dev)   # [route | OWN] (ll_dispatch.py)
         mask = self._no_words if mask is None else mask.clone()   # the mask as of this call, also for its receive
         outputs = (mask, self._no_longs if wait_stats is None else wait_stats, Pointer(recv_x, torch.int32),
                    self._no_words if recv_scales is None else Pointer(recv_scales, torch.int32), src_info, route,
@@ -246,12 +248,16 @@ class NVLinkLowLatency:
             raise ValueError(f"topk_idx must have the top-k of the matching low_latency_dispatch ({dispatch_topk} "
                              f"columns), got {topk}")
         strides = x.stride()
+        # without a hook the receive runs right after the send, so it can read this rank's own rows from x (with a
+        # hook the caller may change x before calling it; LogFMT rounds rows in the send)
+        own_from_x = not hook and not use_logfmt
         key = ("combine", num_max_tokens, hidden, experts_per_rank, topk, use_logfmt, mask is not None,
-               wait_stats is not None, half, strides)
+               wait_stats is not None, half, strides, own_from_x)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._combine_plan(num_max_tokens, hidden, experts_per_rank, topk, use_logfmt,
-                                                         mask is not None, wait_stats is not None, half, strides)
+                                                         mask is not None, wait_stats is not None, half, strides,
+                                                         own_from_x)
         mask = self._no_words if mask is None else mask.clone()
         per_call = (mask, topk_idx, topk_weights, out, num_tokens,
                     self._no_longs if wait_stats is None else wait_stats)   # (_COMBINE_OUTPUTS)
@@ -264,11 +270,11 @@ class NVLinkLowLatency:
         receive_grid = (max(1, min(items, RECV_PROGRAMS_PER_SM * self.num_sms)),)
 
         def receive_step() -> None:   # (keeps only the receive's arguments alive)
-            receive(*per_call, grid=receive_grid)
+            receive(*per_call, x, route, grid=receive_grid)
         return receive_step
 
     def _combine_plan(self, num_max_tokens: int, hidden: int, experts_per_rank: int, topk: int, use_logfmt: bool,
-                      has_mask: bool, has_stats: bool, half: int, strides: Tuple[int, ...]) -> dict:
+                      has_mask: bool, has_stats: bool, half: int, strides: Tuple[int, ...], own_from_x: bool) -> dict:
         """A combine's launch arguments besides its tensors, built once per shape (as _dispatch_plan)."""
         R, rank = self.topology.num_ranks, self.topology.rank
         num_experts = experts_per_rank * R
@@ -280,7 +286,8 @@ class NVLinkLowLatency:
             num_max_tokens=num_max_tokens, x_expert_stride=strides[0], x_row_stride=strides[1],
             rows_offset=geometry.data, arrived_offset=geometry.arrived, received_offset=geometry.received,
             timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R, HAS_MASK=has_mask, LOGFMT=use_logfmt, BLOCK_H=block_h,
-            BLOCK_E=_next_pow2(experts_per_rank), BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS)
+            BLOCK_E=_next_pow2(experts_per_rank), BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS,
+            OWN_FROM_X=own_from_x)
         arrived, received, finished = self._counters(geometry, half)
         # a receive program sums one chunk of a token's K rows, loaded at once (COMBINE_TILE values)
         chunk = min(_next_pow2(hidden), max(128, COMBINE_TILE // _next_pow2(topk)))
@@ -293,7 +300,7 @@ class NVLinkLowLatency:
         return dict(
             send=Relaunch(ll_combine_send_kernel, (NUM_SENDERS,), _COMBINE_INPUTS, **send, num_warps=NUM_WARPS,
                           enable_fp_fusion=not use_logfmt),
-            receive=Relaunch(ll_combine_recv_kernel, (1,), _COMBINE_OUTPUTS, **receive_only,
+            receive=Relaunch(ll_combine_recv_kernel, (1,), _COMBINE_OUTPUTS + ("x_ptr", "route_ptr"), **receive_only,
                              **_pick(send, _COMBINE_SHARED), num_warps=RECV_WARPS, enable_fp_fusion=False),
             fused=Relaunch(ll_combine_kernel, (NUM_SENDERS,), _COMBINE_INPUTS + _COMBINE_OUTPUTS[1:], **send,
                            **receive_only, num_warps=NUM_WARPS, enable_fp_fusion=False,
