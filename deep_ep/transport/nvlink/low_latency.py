@@ -38,9 +38,12 @@ COMBINE_TILE = 8192       # values of the K rows a combine receive program loads
 # receive kernels: up to RECV_PROGRAMS_PER_SM programs of RECV_WARPS warps per SM. The dispatch receive takes
 # one local expert per program, the combine receive a few (token, chunk) items: the kernel lasts as long
 # as its busiest program, and small programs keep their block-wide reductions cheap (one H200, one rank, 128
-# tokens, us, 2 x 8 warps per SM / 4 x 4: dispatch receive 12.3 / 9.4, combine receive 11.7 / 7.3)
+# tokens, us, 2 x 8 warps per SM / 4 x 4: dispatch receive 12.3 / 9.4, combine receive 11.7 / 7.3). A dispatch
+# receive program holds its expert's table of R * N entries in registers: above RECV_SMALL_TABLE entries it
+# keeps NUM_WARPS warps (with 4, 8 ranks x 512 tokens already spill registers)
 RECV_PROGRAMS_PER_SM = 4
 RECV_WARPS = 4
+RECV_SMALL_TABLE = 256
 # most tokens for which a call without a hook runs as one kernel: the fused kernel saves a launch and a gap,
 # but receives with NUM_SENDERS programs of NUM_WARPS warps (one H200, one rank, graph replays of dispatch +
 # combine, us, fused / two kernels: 1 token 26.8-28.4 / 28.2, 8: 29.9-31.8 / 29.2, 16: 30.2-32.0 / 29.5)
@@ -175,7 +178,8 @@ class NVLinkLowLatency:
             send=Relaunch(ll_dispatch_send_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS, **send, num_warps=NUM_WARPS),
             receive=Relaunch(ll_dispatch_recv_kernel,
                              (max(1, min(experts_per_rank, RECV_PROGRAMS_PER_SM * self.num_sms)),),
-                             _DISPATCH_OUTPUTS, **receive, num_warps=RECV_WARPS),
+                             _DISPATCH_OUTPUTS, **receive,
+                             num_warps=RECV_WARPS if slots <= RECV_SMALL_TABLE else NUM_WARPS),
             fused=Relaunch(ll_dispatch_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + _DISPATCH_OUTPUTS[1:], **send,
                            **receive_only, num_warps=NUM_WARPS, launch_cooperative_grid=True)
             if self.can_fuse else None,
