@@ -14,13 +14,15 @@ Send (NUM_SENDERS programs over blocks of received rows, all local experts laid 
 Without a hook and without LogFMT (OWN_FROM_X) the send skips the rows of this rank's own tokens, and the
   receive reads them from x itself, where the dispatch's OWN table (after its route entries) says they are:
   the receive runs right after the send, so x is still what the caller passed (with a hook the caller may
-  change x before calling it).
+  change x before calling it). OWN entries that the dispatch did not write (a timed-out receive) are
+  undefined; they are only bounded to x.
 Receive (programs over (token, chunk of CHUNK channels) items): wait until ARRIVED[r] >= NUM_SENDERS *
-  (RECEIVED + 1) for every unmasked rank r; load the chunk of all K rows of the token at once, then
+  (RECEIVED + 1) for every unmasked rank r; load the chunk of every one of the token's K rows (used or
+  not, so the loads need not wait for the ids; an unused slot's stale values are dropped), then
   out[t] = bf16(acc) with acc = 0; for k ascending over valid selections whose rank is not masked:
-  acc = f32(acc + f32(w[t, k] * ROWS[t * K + k])), the reference's rounding (compiled without fused
-  multiply-adds; row k is taken out of the tile by a sum whose other terms are +0, which is exact). The
-  last program to finish publishes RECEIVED + 1.
+  acc = f32(acc + f32(w[t, k] * row k)), row k being ROWS[t * K + k] (or the own row in x), the
+  reference's rounding (compiled without fused multiply-adds). The last program to finish publishes
+  RECEIVED + 1.
 """
 import triton
 import triton.language as tl
@@ -135,13 +137,8 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
             if HAS_MASK:
                 valid = valid & (tl.load(mask_ptr + tl.where(valid, ids // experts_per_rank, 0), mask=valid,
                                          other=1) == 0)
-            if OWN_FROM_X:   # where each own selection's row is in x: OWN after the route entries
-                RN = R * num_max_tokens
+            if OWN_FROM_X:
                 own = valid & (ids // experts_per_rank == rank)
-                places = tl.load(route_ptr + experts_per_rank * RN + t.to(tl.int64) * K + ko, mask=own, other=0)
-                own = own & (places >= 0) & (places < experts_per_rank * RN)   # never read outside x
-                experts = places // RN
-                x_rows = experts.to(tl.int64) * x_expert_stride + (places - experts * RN).to(tl.int64) * x_row_stride
             acc = tl.zeros([CHUNK], tl.float32)
             for k in tl.static_range(K):   # no branch: the K loads can all be in flight at once
                 use = tl.sum((valid & (ko == k)).to(tl.int32)) > 0
@@ -149,9 +146,15 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
                 # loaded whether or not the slot is used (an unused slot's stale bits are dropped below), so the
                 # load need not wait for the ids (unless it may come from x)
                 row = rows_ptr + (t.to(tl.int64) * K + k) * H
-                if OWN_FROM_X:
-                    row = tl.where(tl.sum((own & (ko == k)).to(tl.int32)) > 0,
-                                   x_ptr + tl.sum(tl.where(ko == k, x_rows, 0)), row)
+                if OWN_FROM_X:   # an own selection's row is in x, where OWN (after the route entries) says
+                    RN = R * num_max_tokens
+                    own_k = tl.sum((own & (ko == k)).to(tl.int32)) > 0
+                    place = tl.load(route_ptr + experts_per_rank * RN + t.to(tl.int64) * K + k, mask=own_k, other=-1)
+                    own_k = own_k & (place >= 0) & (place < experts_per_rank * RN)   # never read outside x
+                    expert = place // RN
+                    # (a scalar pointer from scalar offsets: the row loads keep their 16-byte accesses)
+                    row = tl.where(own_k, x_ptr + expert.to(tl.int64) * x_expert_stride
+                                   + (place - expert * RN).to(tl.int64) * x_row_stride, row)
                 values = tl.load(row + ho, mask=ho < H, other=0.0)
                 acc = acc + tl.where(use, w * values.to(tl.float32), 0.0)
             tl.store(out_ptr + t.to(tl.int64) * H + ho, acc.to(tl.bfloat16), mask=ho < H)

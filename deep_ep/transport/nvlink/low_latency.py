@@ -39,11 +39,14 @@ COMBINE_TILE = 8192       # values of the K rows a combine receive program loads
 # one local expert per program, the combine receive a few (token, chunk) items: the kernel lasts as long
 # as its busiest program, and small programs keep their block-wide reductions cheap (one H200, one rank, 128
 # tokens, us, 2 x 8 warps per SM / 4 x 4: dispatch receive 12.3 / 9.4, combine receive 11.7 / 7.3). A dispatch
-# receive program holds its expert's table of R * N entries in registers: above RECV_SMALL_TABLE entries it
-# keeps NUM_WARPS warps (with 4, 8 ranks x 512 tokens already spill registers)
+# receive program holds its expert's table of R * N entries and RECV_ROWS payload rows in registers: above
+# RECV_SMALL_TABLE entries or RECV_SMALL_TILE payload words it keeps NUM_WARPS warps (ptxas for sm_90, 4 warps:
+# 8 ranks x 512 tokens, or BF16 rows of 16384 values, spill registers). RECV_PROGRAMS_PER_SM bounds the grid;
+# how many programs an SM holds at once depends on their registers.
 RECV_PROGRAMS_PER_SM = 4
 RECV_WARPS = 4
 RECV_SMALL_TABLE = 256
+RECV_SMALL_TILE = 8192
 # most tokens for which a call without a hook runs as one kernel: the fused kernel saves a launch and a gap,
 # but receives with NUM_SENDERS programs of NUM_WARPS warps (one H200, one rank, graph replays of dispatch +
 # combine, us, fused / two kernels: 1 token 26.8-28.4 / 28.2, 8: 29.9-31.8 / 29.2, 16: 30.2-32.0 / 29.5)
@@ -122,6 +125,7 @@ class NVLinkLowLatency:
         # stand-ins for optional pointer arguments (never read)
         self._no_words = torch.zeros(4, dtype=torch.int32, device=device)
         self._no_longs = torch.zeros(4, dtype=torch.int64, device=device)
+        self._no_rows = torch.zeros(8, dtype=torch.bfloat16, device=device)
 
     # ---- views of the local area ---------------------------------------------------------------------------
     def _view(self, offset: int, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -179,7 +183,8 @@ class NVLinkLowLatency:
             receive=Relaunch(ll_dispatch_recv_kernel,
                              (max(1, min(experts_per_rank, RECV_PROGRAMS_PER_SM * self.num_sms)),),
                              _DISPATCH_OUTPUTS, **receive,
-                             num_warps=RECV_WARPS if slots <= RECV_SMALL_TABLE else NUM_WARPS),
+                             num_warps=RECV_WARPS if slots <= RECV_SMALL_TABLE
+                             and RECV_ROWS * _next_pow2(payload_words) <= RECV_SMALL_TILE else NUM_WARPS),
             fused=Relaunch(ll_dispatch_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + _DISPATCH_OUTPUTS[1:], **send,
                            **receive_only, num_warps=NUM_WARPS, launch_cooperative_grid=True)
             if self.can_fuse else None,
@@ -273,8 +278,10 @@ class NVLinkLowLatency:
         items = num_tokens * -(-hidden // plan["chunk"])
         receive_grid = (max(1, min(items, RECV_PROGRAMS_PER_SM * self.num_sms)),)
 
+        own_rows = x if own_from_x else self._no_rows   # (a hook's closure need not keep x alive)
+
         def receive_step() -> None:   # (keeps only the receive's arguments alive)
-            receive(*per_call, x, route, grid=receive_grid)
+            receive(*per_call, own_rows, route, grid=receive_grid)
         return receive_step
 
     def _combine_plan(self, num_max_tokens: int, hidden: int, experts_per_rank: int, topk: int, use_logfmt: bool,
