@@ -1,0 +1,146 @@
+"""The NVLink kernels move rows in 16-byte accesses: checked in their PTX for sm_90, compiled here (no GPU).
+
+A row pointer that loses its alignment or contiguity hints still gives correct results, but the kernel
+then moves rows in 2- or 4-byte pieces, several times slower; only the benchmark on the GPU machine would
+show it. Each case compiles a kernel as the transport launches it (pointers 16-byte aligned, the shape's
+block sizes and warps) and counts its global loads and stores by width.
+"""
+import re
+from collections import Counter
+from typing import Dict, Iterable, Optional
+
+import pytest
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from deep_ep.transport.nvlink import (COMBINE_TILE, DISPATCH_TILE, NUM_WARPS, _combine_slot,  # noqa: E402
+                                      _next_pow2, _rows_per_step)
+from deep_ep.transport.nvlink import combine, direct, dispatch, ll_combine, ll_dispatch  # noqa: E402
+from deep_ep.transport.nvlink import low_latency as ll  # noqa: E402
+
+H = 7168    # DeepSeek's hidden size
+K = 8
+R = 2
+ACCESS = re.compile(r"\b(ld|st)\.global(?:\.[a-z0-9_:]+)*?(?:\.v([248]))?\.[bfsu](8|16|32|64)\b")
+POINTERS = {"x_ptr": "*bf16", "rows_ptr": "*bf16", "out_ptr": "*bf16", "bias0_ptr": "*bf16", "bias1_ptr": "*bf16",
+            "idx_ptr": "*i64", "out_idx_ptr": "*i64", "weights_ptr": "*fp32", "out_weights_ptr": "*fp32",
+            "in_rank_ptr": "*i8", "bases_ptr": "*i64", "arrived_ptr": "*i64", "received_ptr": "*i64",
+            "finished_ptr": "*i64", "stats_ptr": "*i64", "layout_ptr": "*i64"}   # others: *i32
+
+
+def _accesses(kernel, num_warps: int, constexprs: Dict[str, object], divisible: Iterable[str] = (),
+              pointers: Optional[Dict[str, str]] = None, fp_fusion: bool = True) -> Counter:
+    """Global loads and stores of `kernel` compiled for sm_90, counted by (kind, bytes per access)."""
+    pointers = dict(POINTERS, **(pointers or {}))
+    signature, values, attrs = {}, {}, {}
+    for i, param in enumerate(kernel.params):
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            values[(i,)] = constexprs[name]
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i64" if name == "timeout_ns" or name.endswith("_offset") else "i32"
+            if name in divisible:   # (Triton specialises ints divisible by 16 so)
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, enable_fp_fusion=fp_fusion))
+    counts: Counter = Counter()
+    for kind, vector, bits in ACCESS.findall(compiled.asm["ptx"]):
+        counts[kind, int(vector or 1) * int(bits) // 8] += 1
+    return counts
+
+
+def _expect_16_byte_rows(counts: Counter, tile_bytes: int, num_warps: int, loads: bool = True,
+                         stores: bool = True, no_2_byte: bool = True) -> None:
+    """At least one 16-byte access per thread for every 16 bytes * threads of the row tile, and (rows of bf16)
+    no 2-byte accesses."""
+    per_tile = tile_bytes // (32 * num_warps * 16)
+    assert per_tile >= 1
+    if loads:
+        assert counts["ld", 16] >= per_tile, counts
+    if stores:
+        assert counts["st", 16] >= per_tile, counts
+    if no_2_byte:
+        assert counts["ld", 2] == 0 and counts["st", 2] == 0, counts
+
+
+LL_COMBINE = dict(H=H, K=K, R=R, HAS_MASK=False, LOGFMT=False, BLOCK_H=_next_pow2(H), BLOCK_E=256, BLOCK_R=R,
+                  ROWS=ll.COMBINE_SEND_ROWS, HAS_STATS=False, BLOCK_K=K,
+                  CHUNK=min(_next_pow2(H), max(128, ll.COMBINE_TILE // K)))
+LL_STRIDES = ("x_expert_stride", "x_row_stride", "num_max_tokens")
+
+
+@pytest.mark.parametrize("own_from_x", [False, True])
+def test_low_latency_combine_receive_loads_rows_in_16_bytes(own_from_x):
+    counts = _accesses(ll_combine.ll_combine_recv_kernel, ll.RECV_WARPS, dict(LL_COMBINE, OWN_FROM_X=own_from_x),
+                       LL_STRIDES, fp_fusion=False)
+    _expect_16_byte_rows(counts, K * LL_COMBINE["CHUNK"] * 2, ll.RECV_WARPS, stores=False)
+
+
+@pytest.mark.parametrize("own_from_x", [False, True])
+def test_low_latency_combine_send_moves_rows_in_16_bytes(own_from_x):
+    counts = _accesses(ll_combine.ll_combine_send_kernel, ll.NUM_WARPS, dict(LL_COMBINE, OWN_FROM_X=own_from_x),
+                       LL_STRIDES)
+    _expect_16_byte_rows(counts, ll.COMBINE_SEND_ROWS * _next_pow2(H) * 2, ll.NUM_WARPS)
+
+
+def _ll_dispatch_constexprs(fp8: bool) -> Dict[str, object]:
+    payload_words, scale_words = (H // 4, H // 128) if fp8 else (H // 2, 0)
+    return dict(H=H, K=K, R=R, FP8=fp8, ROUND=False, UE8M0=False, XW=payload_words, SW=scale_words,
+                SLOT_W=payload_words + scale_words, HAS_MASK=False, BLOCK_H=_next_pow2(H), BLOCK_K=K, BLOCK_R=R,
+                BLOCK_G=_next_pow2(H) // 128 if fp8 else 1, HAS_STATS=False, BLOCK_RN=_next_pow2(R * 128),
+                BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=ll.RECV_ROWS)
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_low_latency_dispatch_send_moves_rows_in_16_bytes(fp8):
+    counts = _accesses(ll_dispatch.ll_dispatch_send_kernel, ll.NUM_WARPS, _ll_dispatch_constexprs(fp8),
+                       ("num_max_tokens",))
+    # the bf16 row is loaded once and stored (as e4m3 or bf16) once per destination rank
+    _expect_16_byte_rows(counts, _next_pow2(H) * 2, ll.NUM_WARPS, stores=False)
+    _expect_16_byte_rows(counts, _next_pow2(H) * (1 if fp8 else 2), ll.NUM_WARPS, loads=False)
+
+
+def test_low_latency_dispatch_receive_copies_rows_in_16_bytes():
+    constexprs = _ll_dispatch_constexprs(True)
+    counts = _accesses(ll_dispatch.ll_dispatch_recv_kernel, ll.RECV_WARPS, constexprs, ("num_max_tokens",))
+    _expect_16_byte_rows(counts, ll.RECV_ROWS * constexprs["BLOCK_X"] * 4, ll.RECV_WARPS)
+
+
+def _dispatch_constexprs() -> Dict[str, object]:
+    words = H // 2   # bf16 rows, moved as int32 words
+    return dict(C=12, R=R, XW=words, SW=0, K=K, HAS_W=True, ID_OFF=words, BLOCK_X=_next_pow2(words), BLOCK_S=1,
+                BLOCK_K=K, BLOCK_R=R, ROWS=_rows_per_step(words, DISPATCH_TILE))
+
+
+NORMAL_POINTERS = {"x_ptr": "*i32", "out_x_ptr": "*i32"}
+
+
+@pytest.mark.parametrize("protocol", ["direct", "rings"])
+def test_normal_dispatch_moves_rows_in_16_bytes(protocol):
+    constexprs = _dispatch_constexprs()
+    if protocol == "direct":
+        kernel, constexprs = direct.direct_dispatch_kernel, dict(constexprs, AMAX=48)
+    else:
+        kernel, constexprs = dispatch.dispatch_kernel, dict(constexprs, CMAX=64, OWN_BY_SENDER=True)
+    counts = _accesses(kernel, NUM_WARPS, constexprs, ("slot_words", "ring_words"), NORMAL_POINTERS)
+    _expect_16_byte_rows(counts, constexprs["ROWS"] * constexprs["BLOCK_X"] * 4, NUM_WARPS)
+
+
+@pytest.mark.parametrize("protocol", ["direct", "rings"])
+def test_normal_combine_moves_rows_in_16_bytes(protocol):
+    constexprs = dict(R=R, H=H, K=K, X_OFF=_combine_slot(K, H)[0], HAS_BIAS0=False, HAS_BIAS1=False, BLOCK_H=_next_pow2(H), BLOCK_K=K,
+                      BLOCK_R=R, ROWS=_rows_per_step(H, COMBINE_TILE))
+    if protocol == "direct":
+        kernel, constexprs = direct.direct_combine_kernel, dict(constexprs, AMAX=48, BLOCK_P=32)
+    else:
+        kernel, constexprs = combine.combine_kernel, dict(constexprs, C=12, CMAX=64)
+    counts = _accesses(kernel, NUM_WARPS, constexprs, ("slot_words", "ring_words"), fp_fusion=False)
+    _expect_16_byte_rows(counts, constexprs["ROWS"] * constexprs["BLOCK_H"] * 2, NUM_WARPS)
