@@ -144,3 +144,16 @@ def test_normal_combine_moves_rows_in_16_bytes(protocol):
         kernel, constexprs = combine.combine_kernel, dict(constexprs, C=12, CMAX=64)
     counts = _accesses(kernel, NUM_WARPS, constexprs, ("slot_words", "ring_words"), fp_fusion=False)
     _expect_16_byte_rows(counts, constexprs["ROWS"] * constexprs["BLOCK_H"] * 2, NUM_WARPS)
+
+
+@pytest.mark.parametrize("own_from_x", [False, True])
+def test_low_latency_fused_combine_moves_rows_in_16_bytes(own_from_x):
+    counts = _accesses(ll_combine.ll_combine_kernel, ll.NUM_WARPS, dict(LL_COMBINE, OWN_FROM_X=own_from_x),
+                       LL_STRIDES, fp_fusion=False)
+    _expect_16_byte_rows(counts, ll.COMBINE_SEND_ROWS * _next_pow2(H) * 2, ll.NUM_WARPS)
+
+
+def test_low_latency_fused_dispatch_moves_rows_in_16_bytes():
+    constexprs = _ll_dispatch_constexprs(True)
+    counts = _accesses(ll_dispatch.ll_dispatch_kernel, ll.NUM_WARPS, constexprs, ("num_max_tokens",))
+    _expect_16_byte_rows(counts, ll.RECV_ROWS * constexprs["BLOCK_X"] * 4, ll.NUM_WARPS)
