@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
@@ -115,15 +116,28 @@ class Buffer:
             self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
         self.transport_name = self._transport.name
         self.runtime: Optional[object] = self._transport
+        if low_latency_mode or self.group_size > 8:   # (DeepEP sets it where it starts NVSHMEM)
+            self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
         self._group.barrier("Buffer construction")
+
+    def __del__(self) -> None:
+        if getattr(self, "explicitly_destroy", False) and getattr(self, "runtime", None) is not None:
+            try:   # (may run at interpreter exit, when warnings can no longer be issued)
+                warnings.warn(f"deep_ep.Buffer of rank {self.rank} was created with explicitly_destroy=True and "
+                              "dropped without destroy(): call destroy() on every rank before releasing it",
+                              RuntimeWarning, stacklevel=2)
+            except Exception:
+                pass
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def destroy(self) -> None:
         """Release the buffers (collective). Requires `explicitly_destroy=True`."""
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
         self._live("destroy")
+        self._slots.reset("destroy()")
         self._transport.destroy()
-        self._group.barrier("destroy")
+        if not self._group.broken:   # (after a failed collective the ranks are out of step: release locally)
+            self._group.barrier("destroy")
         self._nvl_buffer = self._rdma_buffer = None
         self._checked_handle = (None, {})
         self.runtime = None
@@ -365,7 +379,7 @@ class Buffer:
             torch.cuda.synchronize(self.device)   # nothing of this rank in flight once the barrier passes
         self._group.barrier("clean_low_latency_buffer")
         self._transport.clean_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._slots.reset()
+        self._slots.reset("clean_low_latency_buffer")
         self._group.barrier("clean_low_latency_buffer")
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,

@@ -145,6 +145,11 @@ class Group:
                                f"(waiting for the other {self.size - 1} ranks of the group: {detail.strip()}); "
                                "this Buffer cannot be used any more")
 
+    @property
+    def broken(self) -> bool:
+        """An earlier collective failed (timed out): the ranks are out of step."""
+        return self._broken is not None
+
     def _check_not_broken(self) -> None:
         if self._broken is not None:
             raise RuntimeError(f"rank {self.rank}: an earlier collective ({self._broken}) failed; "

@@ -13,21 +13,21 @@ class ReceiveHook:
         self._lock = threading.Lock()
         self._started = False
         self._done = False
-        self._stale = False
+        self._stale: Optional[str] = None   # what discarded it
 
     @property
     def pending(self) -> bool:
         """True until the receive has finished (a hook still running holds its buffer half)."""
-        return not self._done and not self._stale
+        return not self._done and self._stale is None
 
-    def discard(self) -> None:
-        """The buffer was cleaned: calling this hook afterwards is an error."""
-        self._stale = True
+    def discard(self, by: str) -> None:
+        """The buffer was cleaned or destroyed (`by`): calling this hook afterwards is an error."""
+        self._stale = by
 
     def __call__(self) -> None:
         with self._lock:
-            if self._stale:
-                raise RuntimeError(f"the receive hook of {self._name} was discarded by clean_low_latency_buffer")
+            if self._stale is not None:
+                raise RuntimeError(f"the receive hook of {self._name} was discarded by {self._stale}")
             if self._started:
                 raise RuntimeError(f"the receive hook of {self._name} was already called; call each hook once")
             self._started = True
@@ -62,11 +62,11 @@ class LowLatencySlots:
         with self._lock:
             self._pending[half] = hook
 
-    def reset(self) -> None:
-        """Back to the first half; hooks not yet run are discarded."""
+    def reset(self, by: str) -> None:
+        """Back to the first half; hooks not yet run are discarded (by `by`)."""
         with self._lock:
             for hook in self._pending:
                 if hook is not None:
-                    hook.discard()
+                    hook.discard(by)
             self.next_half = 0
             self._pending = [None, None]

@@ -15,7 +15,9 @@ import contextlib
 import gc
 import inspect
 import re
+import os
 import traceback
+import warnings
 import weakref
 from typing import Dict, List
 
@@ -536,6 +538,7 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
         assert buf.num_nvl_bytes == nvl and buf.num_rdma_bytes == 0
         assert buf.low_latency_mode is False and buf.explicitly_destroy is False and buf.enable_shrink is False
         assert getattr(buf, "runtime", None) is not None
+        assert not hasattr(buf, "nvshmem_qp_depth"), "spec 1.6: set only with low_latency_mode or R > 8"
         assert buf.num_sms == 20
         tiny_dispatch(ctx, buf)
     with c.check("constructor_errors_local"):
@@ -548,6 +551,7 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
         assert (kw.rank, kw.group_size, kw.group) == (ctx.rank, 2, group)
         assert (kw.num_nvl_bytes, kw.num_rdma_bytes) == (nvl, rdma)
         assert kw.low_latency_mode is True and kw.explicitly_destroy is True and kw.enable_shrink is True
+        assert kw.nvshmem_qp_depth == int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
         tiny_low_latency(ctx, kw)
         tiny_dispatch(ctx, kw)    # normal kernels stay usable in LL mode
         kw.destroy()
@@ -683,6 +687,8 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
         handle, _ = tiny_dispatch(ctx, victim, combine=False)
         x, topk_idx, topk_weights = routing(ctx)
         _, _, ll_handle, _, _ = victim.low_latency_dispatch(x, topk_idx, N, E, use_fp8=False)
+        _, _, _, _, pending_hook = victim.low_latency_dispatch(x, topk_idx, N, E, use_fp8=False,
+                                                               return_recv_hook=True)
         victim.destroy()
         assert victim.runtime is None, "spec 1.6: runtime is None after destroy()"
         assert victim.rank == ctx.rank and victim.group_size == 2   # plain attributes stay readable
@@ -706,6 +712,7 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
             torch.zeros(2, dtype=torch.int32, device=ctx.device)),
         "low_latency_clean_mask_buffer": lambda: victim.low_latency_clean_mask_buffer(),
         "destroy (twice)": lambda: victim.destroy(),
+        "a receive hook still pending at destroy()": pending_hook,
     }
     for what, call in calls.items():
         c.expect("destroy_then_api_raises_runtime_error", RuntimeError, call, label=what)
@@ -720,6 +727,26 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
         again = Buffer(group, nvl, 0, explicitly_destroy=True)
         tiny_dispatch(ctx, again)
         again.destroy()
+
+    with c.check("leak_warning"):   # spec 2.2: a Buffer with explicitly_destroy=True dropped without destroy()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            leak = Buffer(group, nvl, 0, explicitly_destroy=True)
+            tiny_dispatch(ctx, leak)
+            del leak
+            gc.collect()
+        assert any(issubclass(w.category, RuntimeWarning) and "destroy()" in str(w.message) for w in caught), \
+            [str(w.message) for w in caught]
+
+    with c.check("low_latency_combine_of_fewer_tokens"):   # spec 9.4: the combine's T defines the output rows
+        short = Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // 2)
+        x = (100 * ctx.rank + torch.arange(T, dtype=torch.float32)).view(T, 1).expand(T, H)
+        x = x.to(torch.bfloat16).contiguous().to(ctx.device)
+        topk_idx = torch.tensor([[1, -1], [3, -1], [0, -1], [2, -1]], dtype=torch.int64, device=ctx.device)
+        ones = torch.ones((T, K), dtype=torch.float32, device=ctx.device)
+        recv_x, _, handle, _, _ = short.low_latency_dispatch(x, topk_idx, N, E, use_fp8=False)
+        combined, _, _ = short.low_latency_combine(recv_x, topk_idx[:2].contiguous(), ones[:2].contiguous(), handle)
+        assert torch.equal(combined.cpu().float(), x[:2].cpu().float()), combined[:, 0].tolist()
 
     # -- shrink-mode mask API (local) -------------------------------------------------------------------
     with c.check("mask_api"):
@@ -757,7 +784,8 @@ API_CHECKS = ["constructor_errors_local", "positional_construction_and_attribute
               "keyword_construction_and_attributes", "weakref_and_isinstance", "helpers_on_instance",
               "set_num_sms_on_instance", "events_of_calls", "get_comm_stream", "get_local_buffer_tensor",
               "get_local_buffer_tensor_too_big", "several_buffers", "destroy_requires_flag",
-              "destroy_then_api_raises_runtime_error", "new_buffer_after_destroy", "mask_api"]
+              "destroy_then_api_raises_runtime_error", "new_buffer_after_destroy", "leak_warning",
+              "low_latency_combine_of_fewer_tokens", "mask_api"]
 
 
 @pytest.mark.parametrize("check", API_CHECKS)

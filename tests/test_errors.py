@@ -619,7 +619,8 @@ TIMEOUT_S = 3
 
 
 def run_timeout_case(ctx) -> Dict[str, Any]:
-    buf = Buffer(ctx.group, nvl_size(), 0, timeout_s=TIMEOUT_S, transport="reference")
+    buf = Buffer(ctx.group, nvl_size(), 0, timeout_s=TIMEOUT_S, transport="reference",
+                 explicitly_destroy=ctx.rank == 0)
     x = torch.ones((T, H), dtype=torch.bfloat16, device=ctx.device)
     topk_idx = torch.tensor([[0, 2]] * T, dtype=torch.int64, device=ctx.device)
     ntpr, ntprr, ntpe, itir, _ = buf.get_dispatch_layout(topk_idx, E)
@@ -643,6 +644,11 @@ def run_timeout_case(ctx) -> Dict[str, Any]:
     except Exception as error:  # noqa: BLE001
         out["after"], out["after_message"] = type(error), str(error)
     out["after_elapsed"] = time.monotonic() - start
+    try:   # a broken Buffer can still be destroyed (locally: its group is out of step)
+        buf.destroy()
+        out["destroyed"] = buf.runtime is None
+    except Exception as error:  # noqa: BLE001
+        out["destroyed"] = f"{type(error).__name__}: {error}"
     return out
 
 
@@ -662,3 +668,4 @@ def test_wait_times_out_with_comm_timeout_error():
     assert r0["after"] is not None and issubclass(r0["after"], RuntimeError), \
         f"a call on the broken Buffer must raise RuntimeError, got {r0['after']}"
     assert r0["after_elapsed"] < TIMEOUT_S, "the broken Buffer must refuse at once, not wait again"
+    assert r0["destroyed"] is True, f"destroy() of the broken Buffer: {r0['destroyed']}"

@@ -556,8 +556,9 @@ class ReferenceTransport(Transport):
             token = back["token"].long().to(out.device)
             expert = back["expert"].long().to(out.device)
             values = received_x.to(out.device)
-            # look up the row of every (token, slot) selection by its key expert * T + token
-            keys = expert * max(num_tokens, 1) + token
+            # look up the row of every (token, slot) selection by its key expert * N + token (N bounds the
+            # dispatched tokens; the combine may pass fewer)
+            keys = expert * num_max_tokens + token
             order = torch.argsort(keys, stable=True)
             sorted_keys = keys[order]
             accumulator = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=out.device)
@@ -565,9 +566,9 @@ class ReferenceTransport(Transport):
             if mask is not None:
                 owner = (topk_idx // experts_per_rank).clamp(0, num_ranks - 1)
                 valid &= mask.to(topk_idx.device)[owner] == 0
-            # every valid (token, slot) finds its returned row by the key expert * T + token
+            # every valid (token, slot) finds its returned row by the key expert * N + token
             token_of, slot_of = valid.nonzero(as_tuple=True)
-            want = topk_idx[token_of, slot_of] * max(num_tokens, 1) + token_of
+            want = topk_idx[token_of, slot_of] * num_max_tokens + token_of
             # an expert listed twice for one token got two rows, returned in slot order: the n-th
             # listing of a key takes the n-th returned row of that key
             where = torch.searchsorted(sorted_keys, want) + _occurrence(want)
