@@ -441,6 +441,8 @@ class Buffer:
                                                  return_recv_hook, (x, topk_idx))
         recv_x = (out.recv_x, out.recv_scales) if use_fp8 else out.recv_x
         handle = (out.src_info, out.layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if hook is not None:
+            hook.output = out.src_info
         if async_finish:
             event.extra_tensors = (x, topk_idx, out.recv_x, out.recv_scales, out.recv_count, out.src_info,
                                    out.layout_range, cumulative_local_expert_recv_stats)
@@ -473,6 +475,9 @@ class Buffer:
         if zero_copy and use_logfmt:
             raise ValueError("low_latency_combine: zero_copy and use_logfmt cannot be combined")
         src_info, layout_range, num_max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
+        if self._slots.receiving(src_info):
+            raise ValueError("handle: the receive hook of the low_latency_dispatch that returned this handle has not "
+                             "run yet; call it before low_latency_combine")
         experts_per_rank = num_experts // self.group_size
         check_tensor("x", x, device=self.device, dtype=torch.bfloat16,
                      shape=(experts_per_rank, self.group_size * num_max_tokens, hidden))
@@ -684,8 +689,8 @@ class Buffer:
                          contiguous=False)
             if scales.shape[0] != data.shape[0]:
                 raise ValueError(f"x[1] (scales) must have {data.shape[0]} rows, got {scales.shape[0]}")
-            if scales.shape[1] > 128:
-                raise ValueError(f"x[1] (scales): at most 128 scales per token, got {scales.shape[1]}")
+            if not 0 < scales.shape[1] <= 128:
+                raise ValueError(f"x[1] (scales): 1 to 128 scales per token, got {scales.shape[1]}")
         else:
             data, scales = check_tensor("x", x, device=self.device, dim=2), None
         if (data.shape[1] * data.element_size()) % 16 or data.shape[1] == 0:

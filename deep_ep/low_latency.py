@@ -10,6 +10,7 @@ class ReceiveHook:
 
     def __init__(self, receive: Callable[[], None], name: str) -> None:
         self._receive, self._name = receive, name
+        self.output: Optional[object] = None   # what the receive fills in (a dispatch's src_info), if set
         self._lock = threading.Lock()
         self._started = False
         self._done = False
@@ -61,6 +62,11 @@ class LowLatencySlots:
     def hold(self, half: int, hook: ReceiveHook) -> None:
         with self._lock:
             self._pending[half] = hook
+
+    def receiving(self, output: object) -> bool:
+        """Whether a hook not yet run will fill in `output` (compared by identity)."""
+        with self._lock:
+            return any(hook is not None and hook.pending and hook.output is output for hook in self._pending)
 
     def reset(self, by: str) -> None:
         """Back to the first half; hooks not yet run are discarded (by `by`)."""

@@ -748,6 +748,17 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
         combined, _, _ = short.low_latency_combine(recv_x, topk_idx[:2].contiguous(), ones[:2].contiguous(), handle)
         assert torch.equal(combined.cpu().float(), x[:2].cpu().float()), combined[:, 0].tolist()
 
+    with c.check("combine_before_receive_hook"):   # spec 9.6: the rows arrive when the hook runs
+        early = Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // 2)
+        x, topk_idx, topk_weights = routing(ctx)
+        recv_x, _, handle, _, hook = early.low_latency_dispatch(x, topk_idx, N, E, use_fp8=False, return_recv_hook=True)
+    c.expect("combine_before_receive_hook", ValueError,
+             lambda: early.low_latency_combine(recv_x, topk_idx, topk_weights, handle), "handle")
+    with c.check("combine_before_receive_hook"):   # refused on both ranks before any exchange: still in step
+        hook()
+        combined, _, _ = early.low_latency_combine(recv_x, topk_idx, topk_weights, handle)
+        assert torch.equal(combined.cpu().float(), x.cpu().float())
+
     # -- shrink-mode mask API (local) -------------------------------------------------------------------
     with c.check("mask_api"):
         shrink = Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // 2, enable_shrink=True)
@@ -785,7 +796,7 @@ API_CHECKS = ["constructor_errors_local", "positional_construction_and_attribute
               "set_num_sms_on_instance", "events_of_calls", "get_comm_stream", "get_local_buffer_tensor",
               "get_local_buffer_tensor_too_big", "several_buffers", "destroy_requires_flag",
               "destroy_then_api_raises_runtime_error", "new_buffer_after_destroy", "leak_warning",
-              "low_latency_combine_of_fewer_tokens", "mask_api"]
+              "low_latency_combine_of_fewer_tokens", "combine_before_receive_hook", "mask_api"]
 
 
 @pytest.mark.parametrize("check", API_CHECKS)

@@ -244,6 +244,8 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
         Case("shape", "dispatch x rows of 200 bytes", "normal", ValueError, ["x"], D(x=x[:, :100].contiguous())),
         Case("shape", "dispatch fp8 scales rows != x rows", "normal", ValueError, [("x", "scales", "x_scales")],
              D(x=(fp8_x, torch.ones((T + 1, 1), dtype=torch.float32, device=dev)))),
+        Case("shape", "dispatch fp8 scales with no columns", "normal", ValueError, [("x", "scales", "x_scales")],
+             D(x=(fp8_x, torch.ones((T, 0), dtype=torch.float32, device=dev)))),
         Case("shape", "combine x rows != handle rows", "normal", ValueError, ["x"],
              C(x=torch.cat([recv_x, recv_x[:1]]))),
         Case("shape", "combine x 1-D", "normal", ValueError, ["x"], C(x=recv_x[0].contiguous())),
