@@ -475,6 +475,7 @@ class Buffer:
         if zero_copy and use_logfmt:
             raise ValueError("low_latency_combine: zero_copy and use_logfmt cannot be combined")
         src_info, layout_range, num_max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
+        self._slots.check_next("low_latency_combine")   # (that misuse first: it is reported as such)
         if self._slots.receiving(src_info):
             raise ValueError("handle: the receive hook of the low_latency_dispatch that returned this handle has not "
                              "run yet; call it before low_latency_combine")

@@ -48,13 +48,21 @@ class LowLatencySlots:
         self._pending: List[Optional[ReceiveHook]] = [None, None]
         self._lock = threading.Lock()
 
+    def check_next(self, name: str) -> None:
+        """Raise if the next call may not start yet (the call two before still waits for its hook)."""
+        with self._lock:
+            self._check_next(name)
+
+    def _check_next(self, name: str) -> None:
+        waiting = self._pending[self.next_half]
+        if waiting is not None and waiting.pending:
+            raise RuntimeError(f"{name}: the low-latency call two calls ago still has an un-run receive hook; "
+                               "at most two low-latency results may be pending: call its hook first")
+
     def acquire(self, name: str) -> int:
         with self._lock:
+            self._check_next(name)
             half = self.next_half
-            waiting = self._pending[half]
-            if waiting is not None and waiting.pending:
-                raise RuntimeError(f"{name}: the low-latency call two calls ago still has an un-run receive hook; "
-                                   "at most two low-latency results may be pending: call its hook first")
             self._pending[half] = None
             self.next_half ^= 1
             return half
