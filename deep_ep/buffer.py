@@ -104,6 +104,10 @@ class Buffer:
         # the last handle checked and its results per (num_tokens, num_channels): a handle reused call after
         # call is checked once (this keeps that one handle alive until another is checked)
         self._checked_handle: Tuple[Optional[tuple], dict] = (None, {})
+        self._agree_on_arguments(dict(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
+                                      low_latency_mode=bool(low_latency_mode), enable_shrink=bool(enable_shrink),
+                                      allow_nvlink_for_low_latency_mode=bool(allow_nvlink_for_low_latency_mode),
+                                      num_ranks_per_node=num_ranks_per_node, transport=requested_transport))
         low_latency_bytes = num_rdma_bytes if low_latency_mode and allow_nvlink_for_low_latency_mode else 0
         self._transport = select_transport(requested_transport, self._group, self.topology, self.device,
                                            num_nvl_bytes, low_latency_bytes, timeout_s)
@@ -128,6 +132,16 @@ class Buffer:
                               RuntimeWarning, stacklevel=2)
             except Exception:
                 pass
+
+    def _agree_on_arguments(self, arguments: dict) -> None:
+        """Every rank must build its Buffer with the same sizes and modes (construction is collective): a
+        difference raises ValueError on every rank, naming the argument, instead of a failure at the first
+        call on some ranks and a timeout on the others."""
+        everyone = self._group.all_gather_object(arguments)
+        for name, value in arguments.items():
+            values = [ranks_arguments[name] for ranks_arguments in everyone]
+            if any(other != values[0] for other in values):
+                raise ValueError(f"{name} must be the same on every rank of the group, got {values} (by rank)")
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def destroy(self) -> None:

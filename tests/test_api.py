@@ -748,6 +748,15 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
         combined, _, _ = short.low_latency_combine(recv_x, topk_idx[:2].contiguous(), ones[:2].contiguous(), handle)
         assert torch.equal(combined.cpu().float(), x[:2].cpu().float()), combined[:, 0].tolist()
 
+    # spec 2.1: construction is collective; ranks passing different sizes or modes are told so on every rank
+    c.expect("construction_arguments_agree", ValueError,
+             lambda: Buffer(group, nvl + 128 * ctx.rank, 0), "num_nvl_bytes")
+    c.expect("construction_arguments_agree", ValueError,
+             lambda: Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // 2,
+                            enable_shrink=ctx.rank == 1), "enable_shrink")
+    with c.check("construction_arguments_agree"):
+        tiny_dispatch(ctx, buf)   # the group is still in step
+
     with c.check("combine_before_receive_hook"):   # spec 9.6: the rows arrive when the hook runs
         early = Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // 2)
         x, topk_idx, topk_weights = routing(ctx)
@@ -796,7 +805,8 @@ API_CHECKS = ["constructor_errors_local", "positional_construction_and_attribute
               "set_num_sms_on_instance", "events_of_calls", "get_comm_stream", "get_local_buffer_tensor",
               "get_local_buffer_tensor_too_big", "several_buffers", "destroy_requires_flag",
               "destroy_then_api_raises_runtime_error", "new_buffer_after_destroy", "leak_warning",
-              "low_latency_combine_of_fewer_tokens", "combine_before_receive_hook", "mask_api"]
+              "low_latency_combine_of_fewer_tokens", "construction_arguments_agree", "combine_before_receive_hook",
+              "mask_api"]
 
 
 @pytest.mark.parametrize("check", API_CHECKS)
