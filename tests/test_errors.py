@@ -510,6 +510,10 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
     layout_8 = buf.get_dispatch_layout(topk_8, 8)
     top1 = topk_idx[:, :1].contiguous()
     layout_top1 = buf.get_dispatch_layout(top1, E)
+    to_rank_0 = torch.tensor([[0, 1]] * T, dtype=torch.int64, device=dev)   # rank 0 receives 2 * T tokens, rank 1 none
+    layout_0 = buf.get_dispatch_layout(to_rank_0, E)
+    worst_too_small = D(topk_idx=to_rank_0, num_tokens_per_rank=layout_0[0], num_tokens_per_expert=layout_0[2],
+                        is_token_in_rank=layout_0[3], num_worst_tokens=T + 1)
     steps = [
         ("dispatch hidden 128 vs 256", "normal", D(), D(x=other_hidden), [("hidden", "x")]),
         ("dispatch num_experts 4 vs 8", "normal", D(),
@@ -518,6 +522,9 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
         ("dispatch top-k 2 vs 1", "normal", D(),
          D(topk_idx=top1, topk_weights=topk_weights[:, :1].contiguous(), num_tokens_per_rank=layout_top1[0],
            num_tokens_per_expert=layout_top1[2], is_token_in_rank=layout_top1[3]), [("topk", "top-k", "topk_idx")]),
+        # (the same call on both ranks; only rank 0 receives more than num_worst_tokens)
+        ("dispatch num_worst_tokens below rank 0's count", "normal", worst_too_small, worst_too_small,
+         ["num_worst_tokens"]),
         ("combine hidden 128 vs 256", "normal", C(), C(x=recv_x[:, :1].expand(M, 2 * H).contiguous()),
          [("hidden", "x")]),
         ("LL dispatch hidden 128 vs 256", "ll", LD(), LD(x=other_hidden), [("hidden", "x")]),

@@ -214,7 +214,13 @@ class ReferenceTransport(Transport):
         experts_per_rank = num_experts // num_ranks
         gathered_per_rank = self._agree("dispatch", self._dispatch_header(
             x, x_scales, topk_idx, num_channels, num_experts=num_experts,
-            has_weights=int(topk_weights is not None)), extra=num_tokens_per_rank)
+            has_weights=int(topk_weights is not None), num_worst_tokens=num_worst_tokens), extra=num_tokens_per_rank)
+        if num_worst_tokens:   # every rank knows what every rank receives: all of them refuse together
+            receives = gathered_per_rank[:, :num_ranks].sum(0)
+            most = int(receives.argmax())
+            if int(receives[most]) > num_worst_tokens:
+                raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens} is smaller than the "
+                                 f"{int(receives[most])} tokens rank {most} receives")
         # counts per destination: [per-expert counts of its experts | its channel counts | node channel counts]
         channel_counts = _channel_counts(is_token_in_rank, num_channels)             # [R, C]
         parts = [num_tokens_per_expert.view(num_ranks, experts_per_rank).to(torch.int64), channel_counts]
@@ -230,9 +236,6 @@ class ReferenceTransport(Transport):
         num_recv = int(recv_per_source.sum())
         per_expert = recv_expert_counts.sum(0)
         aligned = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
-        if num_worst_tokens and num_recv > num_worst_tokens:
-            raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens} is smaller than the {num_recv} tokens "
-                             f"rank {topo.rank} receives")
         num_rows = num_worst_tokens or num_recv
 
         # (num_tokens_per_rank, the column sums of is_token_in_rank, came to the host with the header)
