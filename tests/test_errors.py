@@ -514,6 +514,7 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
     layout_0 = buf.get_dispatch_layout(to_rank_0, E)
     worst_too_small = D(topk_idx=to_rank_0, num_tokens_per_rank=layout_0[0], num_tokens_per_expert=layout_0[2],
                         is_token_in_rank=layout_0[3], num_worst_tokens=T + 1)
+    handle_b = buf.dispatch(**dispatch_kwargs())[4]   # another dispatch, with the same counts as `handle`'s
     steps = [
         ("dispatch hidden 128 vs 256", "normal", D(), D(x=other_hidden), [("hidden", "x")]),
         ("dispatch num_experts 4 vs 8", "normal", D(),
@@ -525,6 +526,9 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
         # (the same call on both ranks; only rank 0 receives more than num_worst_tokens)
         ("dispatch num_worst_tokens below rank 0's count", "normal", worst_too_small, worst_too_small,
          ["num_worst_tokens"]),
+        ("combine with handles of two dispatches", "normal", C(), C(handle=handle_b), ["handle"]),
+        ("cached dispatch with handles of two dispatches", "normal", lambda: buf.dispatch(x, handle=handle),
+         lambda: buf.dispatch(x, handle=handle_b), ["handle"]),
         ("combine hidden 128 vs 256", "normal", C(), C(x=recv_x[:, :1].expand(M, 2 * H).contiguous()),
          [("hidden", "x")]),
         ("LL dispatch hidden 128 vs 256", "ll", LD(), LD(x=other_hidden), [("hidden", "x")]),

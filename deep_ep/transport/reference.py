@@ -99,6 +99,7 @@ class _Route(NamedTuple):
     token: torch.Tensor         # source token of each row sent
     send_splits: List[int]      # rows sent to each rank
     recv_splits: List[int]      # rows received from each rank
+    dispatch: int = -1          # the dispatch's call number (the same on every rank), -1 if rebuilt from a handle
 
 
 def _route(is_token_in_rank: torch.Tensor, recv_splits: Sequence[int],
@@ -135,12 +136,12 @@ class ReferenceTransport(Transport):
     def _agree(self, op: str, fields: Dict[str, int], extra: Optional[torch.Tensor] = None) -> torch.Tensor:
         """All-gather this rank's header; raise on every rank if any rank's operation or shapes differ.
 
-        Returns the gathered `extra` rows ([R, len(extra)]), which must have the same length on every rank
-        for the same operation (e.g. `num_tokens_per_rank`)."""
+        Returns the gathered `extra` rows ([R, 2 * R + 1]: up to 2 * R + 1 values a rank, e.g.
+        `num_tokens_per_rank`), which must have the same length on every rank for the same operation."""
         self._call_number += 1
         values = [_OPS[op], self._call_number] + list(fields.values())
         assert len(values) <= _HEADER_FIELDS
-        header = torch.zeros(_HEADER_FIELDS + self.topology.num_ranks, dtype=torch.int64)
+        header = torch.zeros(_HEADER_FIELDS + 2 * self.topology.num_ranks + 1, dtype=torch.int64)
         header[:len(values)] = torch.tensor(values, dtype=torch.int64)
         if extra is not None:
             header[_HEADER_FIELDS:_HEADER_FIELDS + extra.numel()] = extra.to("cpu", torch.int64)
@@ -159,6 +160,24 @@ class ReferenceTransport(Transport):
             raise ValueError(f"{op}: {names[index]} is {int(mine[index])} on rank {self.topology.rank} but "
                              f"{int(theirs[index])} on rank {rank}; every rank must pass the same value")
         return gathered[:, _HEADER_FIELDS:]
+
+    def _agree_on_route(self, op: str, fields: Dict[str, int], route: "_Route") -> None:
+        """_agree, and check that the ranks' handles come from the same dispatch: what each rank's handle says
+        it sent to every rank is what that rank's handle says it received (else ValueError on every rank)."""
+        R = self.topology.num_ranks
+        gathered = self._agree(op, fields, extra=torch.tensor(route.send_splits + route.recv_splits + [route.dispatch]))
+        sent, received, dispatches = gathered[:, :R], gathered[:, R:2 * R], gathered[:, 2 * R]
+        known = dispatches[dispatches >= 0]
+        if known.numel() and not bool((known == known[0]).all()):
+            raise ValueError(f"{op}: handle: the ranks passed handles of different dispatches (dispatch call numbers "
+                             f"{dispatches.tolist()} by rank, -1 where unknown); every rank must pass its handle of "
+                             "the same dispatch")
+        if not torch.equal(sent, received.t()):
+            source, destination = (int(i) for i in (sent != received.t()).nonzero()[0])
+            raise ValueError(f"{op}: handle: the ranks passed handles of different dispatches (rank {source}'s "
+                             f"handle has {int(sent[source, destination])} rows for rank {destination}, whose "
+                             f"handle has {int(received[destination, source])} from rank {source}); every rank must "
+                             "pass its handle of the same dispatch")
 
     def _exchange_counts(self, per_destination: torch.Tensor, what: str) -> torch.Tensor:
         """All-to-all of one int64 row per destination rank: returns one row per source rank."""
@@ -240,6 +259,7 @@ class ReferenceTransport(Transport):
 
         # (num_tokens_per_rank, the column sums of is_token_in_rank, came to the host with the header)
         route = _route(is_token_in_rank, recv_per_source.tolist(), gathered_per_rank[topo.rank, :num_ranks].tolist())
+        route = route._replace(dispatch=self._call_number)
         recv = self._exchange_dispatch_rows(x, x_scales, topk_idx, topk_weights, is_token_in_rank, route, num_rows,
                                             "dispatch (data exchange)", with_token=True,
                                             with_node_mask=topo.is_internode)
@@ -368,8 +388,8 @@ class ReferenceTransport(Transport):
     def cached_dispatch(self, x, x_scales, handle, num_channels):
         topo = self.topology
         is_token_in_rank = handle[0] if topo.is_internode else handle[4]
-        self._agree("dispatch (cached)", self._dispatch_header(x, x_scales, None, num_channels))
         route = self._route_of(handle)
+        self._agree_on_route("dispatch (cached)", self._dispatch_header(x, x_scales, None, num_channels), route)
         num_recv = sum(route.recv_splits)
         num_rows = (handle[7] if topo.is_internode else handle[3]).shape[0]
         recv = self._exchange_dispatch_rows(x, x_scales, None, None, is_token_in_rank, route, num_rows,
@@ -389,9 +409,11 @@ class ReferenceTransport(Transport):
         topo = self.topology
         is_token_in_rank = handle[0] if topo.is_internode else handle[4]
         num_tokens = is_token_in_rank.shape[0]
-        self._agree("combine", dict(hidden=x.shape[1], topk=-1 if topk_weights is None else topk_weights.shape[1],
-                                    num_biases=sum(b is not None for b in biases), num_channels=num_channels))
         route = self._route_of(handle)
+        topk = -1 if topk_weights is None else topk_weights.shape[1]
+        num_biases = sum(b is not None for b in biases)
+        self._agree_on_route("combine", dict(hidden=x.shape[1], topk=topk, num_biases=num_biases,
+                                             num_channels=num_channels), route)
         recv_per_source, send_back = route.recv_splits, route.send_splits
         num_recv = sum(recv_per_source)
         # the rows go back as they are (already grouped by source rank), the weights in a second exchange
