@@ -119,6 +119,10 @@ class Buffer:
         if self._rdma_buffer is None:
             self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
         self.transport_name = self._transport.name
+        if group is None and self.transport_name == "reference":
+            raise ValueError("comm: with an mpi4py communicator and no torch.distributed group only the NVLink "
+                             "transport can run (the reference transport exchanges tensors through "
+                             "torch.distributed); pass group= a torch.distributed process group")
         self.runtime: Optional[object] = self._transport
         if low_latency_mode or self.group_size > 8:   # (DeepEP sets it where it starts NVSHMEM)
             self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))

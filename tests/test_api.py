@@ -514,6 +514,27 @@ def tiny_low_latency(ctx, buf):
     assert torch.equal(combined.cpu().float(), x.cpu().float()), "LL combine = sum_k w * x = x"
 
 
+class _CommOver:
+    """The mpi4py communicator methods Buffer uses, over a torch.distributed group."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def Get_rank(self) -> int:  # noqa: N802 (mpi4py's names)
+        return dist.get_rank(self.group)
+
+    def Get_size(self) -> int:  # noqa: N802
+        return dist.get_world_size(self.group)
+
+    def allgather(self, obj):
+        out = [None] * self.Get_size()
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def Barrier(self) -> None:  # noqa: N802
+        dist.barrier(self.group)
+
+
 def run_api_checks(ctx) -> Dict[str, List[str]]:
     c = Checks(ctx.rank)
     group = ctx.group
@@ -757,6 +778,12 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
     with c.check("construction_arguments_agree"):
         tiny_dispatch(ctx, buf)   # the group is still in step
 
+    # an mpi4py communicator instead of a group (TensorRT-LLM): only the NVLink transport can serve it, so on the
+    # reference transport the constructor says so (every later call would fail)
+    c.expect("comm_without_group", ValueError, lambda: Buffer(None, nvl, 0, comm=_CommOver(group)), "comm")
+    with c.check("comm_without_group"):
+        tiny_dispatch(ctx, buf)
+
     with c.check("combine_before_receive_hook"):   # spec 9.6: the rows arrive when the hook runs
         early = Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // 2)
         x, topk_idx, topk_weights = routing(ctx)
@@ -805,8 +832,8 @@ API_CHECKS = ["constructor_errors_local", "positional_construction_and_attribute
               "set_num_sms_on_instance", "events_of_calls", "get_comm_stream", "get_local_buffer_tensor",
               "get_local_buffer_tensor_too_big", "several_buffers", "destroy_requires_flag",
               "destroy_then_api_raises_runtime_error", "new_buffer_after_destroy", "leak_warning",
-              "low_latency_combine_of_fewer_tokens", "construction_arguments_agree", "combine_before_receive_hook",
-              "mask_api"]
+              "low_latency_combine_of_fewer_tokens", "construction_arguments_agree", "comm_without_group",
+              "combine_before_receive_hook", "mask_api"]
 
 
 @pytest.mark.parametrize("check", API_CHECKS)
