@@ -14,7 +14,7 @@ from .config import (Config, LowLatencyLayout, default_combine_config, default_d
 from .group import Group, Topology
 from .low_latency import LowLatencySlots, ReceiveHook
 from .streams import CommStream
-from .transport import select_transport, transport_name
+from .transport import TRANSPORTS, select_transport, transport_name
 from .transport.base import LowLatencyOptions
 from .utils import EventHandle, EventOverlap, check_nvlink_connections
 
@@ -107,7 +107,8 @@ class Buffer:
         self._agree_on_arguments(dict(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
                                       low_latency_mode=bool(low_latency_mode), enable_shrink=bool(enable_shrink),
                                       allow_nvlink_for_low_latency_mode=bool(allow_nvlink_for_low_latency_mode),
-                                      num_ranks_per_node=num_ranks_per_node, transport=requested_transport))
+                                      num_ranks_per_node=num_ranks_per_node,
+                                      transport=TRANSPORTS.index(requested_transport)))
         low_latency_bytes = num_rdma_bytes if low_latency_mode and allow_nvlink_for_low_latency_mode else 0
         self._transport = select_transport(requested_transport, self._group, self.topology, self.device,
                                            num_nvl_bytes, low_latency_bytes, timeout_s)
@@ -141,9 +142,9 @@ class Buffer:
         """Every rank must build its Buffer with the same sizes and modes (construction is collective): a
         difference raises ValueError on every rank, naming the argument, instead of a failure at the first
         call on some ranks and a timeout on the others."""
-        everyone = self._group.all_gather_object(arguments)
-        for name, value in arguments.items():
-            values = [ranks_arguments[name] for ranks_arguments in everyone]
+        everyone = self._group.gather_int_lists(list(arguments.values()), "Buffer construction (argument check)")
+        for i, name in enumerate(arguments):
+            values = [TRANSPORTS[row[i]] if name == "transport" else row[i] for row in everyone]
             if any(other != values[0] for other in values):
                 raise ValueError(f"{name} must be the same on every rank of the group, got {values} (by rank)")
 

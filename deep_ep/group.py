@@ -89,9 +89,13 @@ class Group:
 
     def gather_ints(self, value: int, what: str) -> List[int]:
         """Every rank's int, within the timeout (through an mpi4py communicator: unbounded)."""
+        return [row[0] for row in self.gather_int_lists([value], what)]
+
+    def gather_int_lists(self, values: Sequence[int], what: str) -> List[List[int]]:
+        """Every rank's list of ints (the same length on every rank), by rank."""
         if self.group is None:
-            return [int(v) for v in self.comm.allgather(int(value))]
-        return self.all_gather(torch.tensor([value], dtype=torch.int64), what).view(-1).tolist()
+            return [[int(v) for v in row] for row in self.comm.allgather([int(v) for v in values])]
+        return self.all_gather(torch.tensor(list(values), dtype=torch.int64), what).tolist()
 
     # ---- tensor collectives ---------------------------------------------------------------------------
     def all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
