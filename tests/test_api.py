@@ -784,6 +784,18 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
     with c.check("comm_without_group"):
         tiny_dispatch(ctx, buf)
 
+    with c.check("fp8_scales_of_any_count"):   # spec 5.1: S is arbitrary (here one scale per 32 channels and more)
+        x, topk_idx, topk_weights = routing(ctx)
+        data = x.to(torch.float8_e4m3fn)
+        scales = (torch.arange(T * 224, dtype=torch.float32, device=ctx.device).view(T, 224) + 1000 * ctx.rank)
+        layout = buf.get_dispatch_layout(topk_idx, E)
+        (recv_data, recv_scales), _, _, _, _, _ = buf.dispatch(
+            (data, scales), num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
+            is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=topk_weights)
+        assert tuple(recv_scales.shape) == (2 * T, 224), tuple(recv_scales.shape)
+        expected = torch.cat([torch.arange(T * 224, dtype=torch.float32).view(T, 224) + 1000 * r for r in range(2)])
+        assert torch.equal(recv_scales.cpu(), expected)
+
     with c.check("combine_before_receive_hook"):   # spec 9.6: the rows arrive when the hook runs
         early = Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // 2)
         x, topk_idx, topk_weights = routing(ctx)
@@ -833,7 +845,7 @@ API_CHECKS = ["constructor_errors_local", "positional_construction_and_attribute
               "get_local_buffer_tensor_too_big", "several_buffers", "destroy_requires_flag",
               "destroy_then_api_raises_runtime_error", "new_buffer_after_destroy", "leak_warning",
               "low_latency_combine_of_fewer_tokens", "construction_arguments_agree", "comm_without_group",
-              "combine_before_receive_hook", "mask_api"]
+              "fp8_scales_of_any_count", "combine_before_receive_hook", "mask_api"]
 
 
 @pytest.mark.parametrize("check", API_CHECKS)
