@@ -236,10 +236,12 @@ def check_handle(chk: Checker, what: str, handle: Any, expected: model.DispatchR
         if worst_rows is not None and name in ROW_FIELDS:
             chk._prefix_equal(f"{what}.{name}", got, exp, worst_rows)
         elif worst_rows is not None and name == "send_nvl_head":
-            # the RDMA-received count is set to num_worst_tokens (spec 5.7): compare the real rows
-            if chk.true(f"{what}.{name} rows", isinstance(got, torch.Tensor) and got.size(0) >= exp.size(0),
-                        f"expected >= {exp.size(0)} rows, got {getattr(got, 'shape', None)}"):
+            # the RDMA-received count is set to num_worst_tokens (spec 5.7): the real rows, then rows of -1
+            if chk.true(f"{what}.{name} rows", isinstance(got, torch.Tensor) and got.size(0) == worst_rows,
+                        f"expected {worst_rows} rows, got {getattr(got, 'shape', None)}"):
                 chk.equal(f"{what}.{name} (real prefix)", got[:exp.size(0)], exp)
+                chk.true(f"{what}.{name} (tail)", bool((got[exp.size(0):] == -1).all()),
+                         "rows past the real ones must be -1")
         else:
             chk.equal(f"{what}.{name}", got, exp)
 

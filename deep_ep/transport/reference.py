@@ -278,7 +278,8 @@ class ReferenceTransport(Transport):
         else:
             out.handle = self._internode_handle(received, in_node, node_channel_counts, channel_prefix,
                                                 recv_channel_counts, rank_prefix_matrix, recv, num_recv, num_rows,
-                                                is_token_in_rank, experts_per_rank, num_channels)
+                                                is_token_in_rank, experts_per_rank, num_channels,
+                                                worst_rows=num_worst_tokens)
         self._remember(out.handle[7] if topo.is_internode else out.handle[3], route)
         out.num_recv_tokens_per_expert_list = [] if num_worst_tokens else aligned.tolist()
         return out
@@ -337,7 +338,7 @@ class ReferenceTransport(Transport):
 
     def _internode_handle(self, received, in_node, node_channel_counts, channel_prefix, recv_channel_counts,
                           rank_prefix_matrix, recv, num_recv, num_rows, is_token_in_rank, experts_per_rank,
-                          num_channels):
+                          num_channels, worst_rows: int = 0):
         topo, dev = self.topology, self.device
         column = experts_per_rank + num_channels
         # node-level counts that the rank with our local index on each node sent towards our node
@@ -354,6 +355,9 @@ class ReferenceTransport(Transport):
         recv_src_meta = meta.view(torch.uint8).view(num_rows, 8)
         send_rdma_head = _positions(in_node)
         send_nvl_head = self._send_nvl_head(is_token_in_rank, in_node, recv_node_channel_counts.sum(1))
+        if worst_rows > send_nvl_head.shape[0]:   # spec 5.7: the RDMA-received count is num_worst_tokens (rows of -1)
+            padding = send_nvl_head.new_full((worst_rows - send_nvl_head.shape[0], send_nvl_head.shape[1]), -1)
+            send_nvl_head = torch.cat([send_nvl_head, padding])
         rdma_channel_prefix = torch.cumsum(node_channel_counts, dim=1).to(torch.int32)
         return (is_token_in_rank, rdma_channel_prefix, channel_prefix, recv_rdma_channel_prefix.to(dev),
                 recv_rdma_rank_prefix_sum.to(dev), recv_gbl_channel_prefix.to(dev), recv_gbl_rank_prefix_sum.to(dev),
