@@ -11,7 +11,7 @@ import torch.distributed as dist
 from .checks import check_expert_ids, check_int, check_tensor
 from .config import (Config, LowLatencyLayout, default_combine_config, default_dispatch_config,
                      low_latency_size_hint, topk_idx_t)
-from .group import Group, Topology
+from .group import Group, Topology, host_id
 from .low_latency import LowLatencySlots, ReceiveHook
 from .streams import CommStream
 from .transport import TRANSPORTS, select_transport, transport_name
@@ -78,11 +78,19 @@ class Buffer:
         self._group = Group(group, comm, timeout_s)
         self.group = group if group is not None else comm
         self.rank, self.group_size = self._group.rank, self._group.size
+        if num_ranks_per_node is not None:
+            check_int("num_ranks_per_node", num_ranks_per_node, minimum=1, maximum=self.group_size)
+            if self.group_size % num_ranks_per_node:
+                raise ValueError(f"num_ranks_per_node must divide the group size {self.group_size}, "
+                                 f"got {num_ranks_per_node}")
+        # one collective: every rank's arguments (which must agree) and host (the node layout, if not given)
+        hosts = self._agree_on_arguments(dict(
+            num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, low_latency_mode=bool(low_latency_mode),
+            enable_shrink=bool(enable_shrink),
+            allow_nvlink_for_low_latency_mode=bool(allow_nvlink_for_low_latency_mode), num_ranks_per_node=-1 if num_ranks_per_node is None else num_ranks_per_node,
+            transport=TRANSPORTS.index(requested_transport)))
         if num_ranks_per_node is None:
-            num_ranks_per_node = self._group.detect_ranks_per_node()
-        check_int("num_ranks_per_node", num_ranks_per_node, minimum=1, maximum=self.group_size)
-        if self.group_size % num_ranks_per_node:
-            raise ValueError(f"num_ranks_per_node must divide the group size {self.group_size}, got {num_ranks_per_node}")
+            num_ranks_per_node = self._group.ranks_per_node_of(hosts)
         self.topology = Topology(self.rank, self.group_size, num_ranks_per_node)
         if self.topology.is_internode and num_ranks_per_node > 32:
             raise ValueError(f"num_ranks_per_node must be <= 32 across nodes (a 32-bit rank mask), got {num_ranks_per_node}")
@@ -104,14 +112,13 @@ class Buffer:
         # the last handle checked and its results per (num_tokens, num_channels): a handle reused call after
         # call is checked once (this keeps that one handle alive until another is checked)
         self._checked_handle: Tuple[Optional[tuple], dict] = (None, {})
-        self._agree_on_arguments(dict(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
-                                      low_latency_mode=bool(low_latency_mode), enable_shrink=bool(enable_shrink),
-                                      allow_nvlink_for_low_latency_mode=bool(allow_nvlink_for_low_latency_mode),
-                                      num_ranks_per_node=num_ranks_per_node,
-                                      transport=TRANSPORTS.index(requested_transport)))
         low_latency_bytes = num_rdma_bytes if low_latency_mode and allow_nvlink_for_low_latency_mode else 0
         self._transport = select_transport(requested_transport, self._group, self.topology, self.device,
                                            num_nvl_bytes, low_latency_bytes, timeout_s)
+        if group is None and self._transport.name == "reference":
+            raise ValueError("comm: with an mpi4py communicator and no torch.distributed group only the NVLink "
+                             "transport can run (the reference transport exchanges tensors through "
+                             "torch.distributed); pass group= a torch.distributed process group")
         # the NVLink transport owns its buffers (they are mapped into the peers)
         self._nvl_buffer = getattr(self._transport, "local_buffer", None)
         if self._nvl_buffer is None:
@@ -120,14 +127,10 @@ class Buffer:
         if self._rdma_buffer is None:
             self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
         self.transport_name = self._transport.name
-        if group is None and self.transport_name == "reference":
-            raise ValueError("comm: with an mpi4py communicator and no torch.distributed group only the NVLink "
-                             "transport can run (the reference transport exchanges tensors through "
-                             "torch.distributed); pass group= a torch.distributed process group")
-        self.runtime: Optional[object] = self._transport
         if low_latency_mode or self.group_size > 8:   # (DeepEP sets it where it starts NVSHMEM)
             self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
         self._group.barrier("Buffer construction")
+        self.runtime: Optional[object] = self._transport   # (set last: a Buffer whose construction failed has none)
 
     def __del__(self) -> None:
         if getattr(self, "explicitly_destroy", False) and getattr(self, "runtime", None) is not None:
@@ -138,15 +141,18 @@ class Buffer:
             except Exception:
                 pass
 
-    def _agree_on_arguments(self, arguments: dict) -> None:
+    def _agree_on_arguments(self, arguments: dict) -> List[int]:
         """Every rank must build its Buffer with the same sizes and modes (construction is collective): a
         difference raises ValueError on every rank, naming the argument, instead of a failure at the first
-        call on some ranks and a timeout on the others."""
-        everyone = self._group.gather_int_lists(list(arguments.values()), "Buffer construction (argument check)")
+        call on some ranks and a timeout on the others. Returns every rank's host id (gathered alongside)."""
+        everyone = self._group.gather_int_lists([*arguments.values(), host_id()], "Buffer construction")
         for i, name in enumerate(arguments):
             values = [TRANSPORTS[row[i]] if name == "transport" else row[i] for row in everyone]
+            if name == "num_ranks_per_node":
+                values = [None if value == -1 else value for value in values]
             if any(other != values[0] for other in values):
                 raise ValueError(f"{name} must be the same on every rank of the group, got {values} (by rank)")
+        return [row[-1] for row in everyone]
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def destroy(self) -> None:
@@ -154,12 +160,17 @@ class Buffer:
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
         self._live("destroy")
         self._slots.reset("destroy()")
-        self._transport.destroy()
-        if not self._group.broken:   # (after a failed collective the ranks are out of step: release locally)
-            self._group.barrier("destroy")
-        self._nvl_buffer = self._rdma_buffer = None
-        self._checked_handle = (None, {})
-        self.runtime = None
+        # after a failed collective or a timeout the ranks are out of step: release locally, without waiting
+        # for the GPU (a collective that never finishes may hold it) or for the other ranks
+        broken = self._group.broken
+        try:
+            self._transport.destroy(wait_for_gpu=not broken)
+            if not broken:
+                self._group.barrier("destroy")
+        finally:   # (released even if the barrier times out)
+            self._nvl_buffer = self._rdma_buffer = None
+            self._checked_handle = (None, {})
+            self.runtime = None
 
     def _live(self, what: str) -> None:
         if self.runtime is None:

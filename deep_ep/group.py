@@ -16,7 +16,7 @@ class CommTimeoutError(RuntimeError):
     """A collective or a GPU wait did not complete within the Buffer's timeout."""
 
 
-def _host_id() -> int:
+def host_id() -> int:
     """A 63-bit id of this host's name."""
     return int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:8], "little") >> 1
 
@@ -76,9 +76,8 @@ class Group:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def detect_ranks_per_node(self) -> int:
-        """Ranks per node from the hosts of the ranks: one node if all share a host, else equal blocks."""
-        hosts = self.gather_ints(_host_id(), "node layout detection")
+    def ranks_per_node_of(self, hosts: List[int]) -> int:
+        """Ranks per node from every rank's `host_id()`: one node if all share a host, else equal blocks."""
         per_node = hosts.count(hosts[0])
         blocks = [hosts[i:i + per_node] for i in range(0, self.size, per_node)]
         if self.size % per_node or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
@@ -142,6 +141,12 @@ class Group:
                 self._fail(what, "the collective did not finish on the GPU")
             time.sleep(0)
         work.wait()  # orders the current stream after the collective
+
+    def mark_broken(self, what: str) -> None:
+        """A wait on the other ranks (`what`) failed outside this group's collectives (e.g. on the GPU): the
+        ranks are out of step, as after a failed collective."""
+        if self._broken is None:
+            self._broken = what
 
     def _fail(self, what: str, detail: str) -> None:
         self._broken = what

@@ -775,8 +775,20 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
     c.expect("construction_arguments_agree", ValueError,
              lambda: Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // 2,
                             enable_shrink=ctx.rank == 1), "enable_shrink")
+    c.expect("construction_arguments_agree", ValueError,   # (one rank detects the layout, the other is told it)
+             lambda: Buffer(group, nvl, 0, num_ranks_per_node=2 if ctx.rank == 0 else None), "num_ranks_per_node")
     with c.check("construction_arguments_agree"):
         tiny_dispatch(ctx, buf)   # the group is still in step
+
+    with c.check("num_worst_tokens_per_rank"):   # each rank sizes its own receive rows
+        x, topk_idx, topk_weights = routing(ctx)
+        layout = buf.get_dispatch_layout(topk_idx, E)
+        worst = 2 * T + 3 * ctx.rank
+        recv_x, recv_idx, _, counts, _, _ = buf.dispatch(
+            x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1], is_token_in_rank=layout[3],
+            num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=worst)
+        assert recv_x.shape[0] == worst and counts == [], (tuple(recv_x.shape), counts)
+        assert bool((recv_idx[2 * T:] == -1).all())
 
     # an mpi4py communicator instead of a group (TensorRT-LLM): only the NVLink transport can serve it, so on the
     # reference transport the constructor says so (every later call would fail)
@@ -844,7 +856,8 @@ API_CHECKS = ["constructor_errors_local", "positional_construction_and_attribute
               "set_num_sms_on_instance", "events_of_calls", "get_comm_stream", "get_local_buffer_tensor",
               "get_local_buffer_tensor_too_big", "several_buffers", "destroy_requires_flag",
               "destroy_then_api_raises_runtime_error", "new_buffer_after_destroy", "leak_warning",
-              "low_latency_combine_of_fewer_tokens", "construction_arguments_agree", "comm_without_group",
+              "low_latency_combine_of_fewer_tokens", "construction_arguments_agree", "num_worst_tokens_per_rank",
+              "comm_without_group",
               "fp8_scales_of_any_count", "combine_before_receive_hook", "mask_api"]
 
 

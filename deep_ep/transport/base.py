@@ -100,5 +100,6 @@ class Transport(ABC):
     def clean_low_latency(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
         """Reset the transport's low-latency state (every rank, between two barriers, nothing in flight)."""
 
-    def destroy(self) -> None:
-        """Release what the transport holds (collective)."""
+    def destroy(self, wait_for_gpu: bool = True) -> None:
+        """Release what the transport holds (collective), after the GPU's work unless `wait_for_gpu` is False
+        (the group failed: its unfinished work may never finish)."""

@@ -231,15 +231,18 @@ class ReferenceTransport(Transport):
         topo = self.topology
         num_ranks, num_experts = topo.num_ranks, num_tokens_per_expert.numel()
         experts_per_rank = num_experts // num_ranks
+        extra = torch.cat([num_tokens_per_rank.to("cpu", torch.int64), torch.tensor([num_worst_tokens])])
         gathered_per_rank = self._agree("dispatch", self._dispatch_header(
             x, x_scales, topk_idx, num_channels, num_experts=num_experts,
-            has_weights=int(topk_weights is not None), num_worst_tokens=num_worst_tokens), extra=num_tokens_per_rank)
-        if num_worst_tokens:   # every rank knows what every rank receives: all of them refuse together
-            receives = gathered_per_rank[:, :num_ranks].sum(0)
-            most = int(receives.argmax())
-            if int(receives[most]) > num_worst_tokens:
-                raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens} is smaller than the "
-                                 f"{int(receives[most])} tokens rank {most} receives")
+            has_weights=int(topk_weights is not None)), extra=extra)
+        # every rank knows what every rank receives and every rank's num_worst_tokens (each rank may pass its
+        # own): a rank that would receive more than its value makes all of them refuse together
+        receives, worst = gathered_per_rank[:, :num_ranks].sum(0), gathered_per_rank[:, num_ranks]
+        over = ((worst > 0) & (receives > worst)).nonzero()
+        if over.numel():
+            r = int(over[0])
+            raise ValueError(f"dispatch: num_worst_tokens={int(worst[r])} on rank {r} is smaller than the "
+                             f"{int(receives[r])} tokens it receives")
         # counts per destination: [per-expert counts of its experts | its channel counts | node channel counts]
         channel_counts = _channel_counts(is_token_in_rank, num_channels)             # [R, C]
         parts = [num_tokens_per_expert.view(num_ranks, experts_per_rank).to(torch.int64), channel_counts]

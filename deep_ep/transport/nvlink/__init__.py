@@ -151,6 +151,7 @@ class NVLinkTransport(Transport):
         if code:
             from .sync import STATUS_WHAT
             peer = int(self._status_words[1])
+            self.group.mark_broken(f"a GPU wait for rank {peer}")
             raise CommTimeoutError(f"rank {self.topology.rank}: waited more than {self.timeout_ns / 1e9:g} s for rank "
                                    f"{peer} to send {STATUS_WHAT.get(code, 'a signal')}; this Buffer cannot be used "
                                    "any more")
@@ -511,8 +512,9 @@ class NVLinkTransport(Transport):
         if self.low_latency is not None:
             self.low_latency.clean(num_max_tokens, hidden, num_experts)
 
-    def destroy(self) -> None:
-        torch.cuda.synchronize(self.device)
+    def destroy(self, wait_for_gpu: bool = True) -> None:
+        if wait_for_gpu:
+            torch.cuda.synchronize(self.device)
         self.peers.close()
         if self.low_latency is not None:
             self.low_latency.close()
