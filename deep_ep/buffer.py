@@ -405,11 +405,11 @@ class Buffer:
         self._live("clean_low_latency_buffer")
         self._require_low_latency("clean_low_latency_buffer")
         self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._slots.reset("clean_low_latency_buffer")   # (refused here, before any collective, if a hook runs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # nothing of this rank in flight once the barrier passes
         self._group.barrier("clean_low_latency_buffer")
         self._transport.clean_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._slots.reset("clean_low_latency_buffer")
         self._group.barrier("clean_low_latency_buffer")
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,

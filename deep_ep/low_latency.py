@@ -21,9 +21,14 @@ class ReceiveHook:
         """True until the receive has finished (a hook still running holds its buffer half)."""
         return not self._done and self._stale is None
 
-    def discard(self, by: str) -> None:
-        """The buffer was cleaned or destroyed (`by`): calling this hook afterwards is an error."""
-        self._stale = by
+    def discard(self, by: str) -> bool:
+        """The buffer was cleaned or destroyed (`by`): calling this hook afterwards is an error. Returns False
+        (and discards nothing) while the hook runs."""
+        with self._lock:
+            if self._started and not self._done:
+                return False
+            self._stale = by
+            return True
 
     def __call__(self) -> None:
         with self._lock:
@@ -77,10 +82,11 @@ class LowLatencySlots:
             return any(hook is not None and hook.pending and hook.output is output for hook in self._pending)
 
     def reset(self, by: str) -> None:
-        """Back to the first half; hooks not yet run are discarded (by `by`)."""
+        """Back to the first half; hooks not yet run are discarded (by `by`). Refused while a hook runs."""
         with self._lock:
             for hook in self._pending:
-                if hook is not None:
-                    hook.discard(by)
+                if hook is not None and not hook.discard(by):
+                    raise RuntimeError(f"{by}: a receive hook is still running (on another thread); wait for it "
+                                       "first")
             self.next_half = 0
             self._pending = [None, None]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
-import re
 import os
+import re
 import traceback
 import warnings
 import weakref
@@ -866,3 +866,31 @@ def test_buffer_on_two_ranks(api_results, check):
     assert check in api_results, f"check {check} did not run"
     failures = api_results[check]
     assert not failures, f"{check}: {len(failures)} failure(s):\n" + "\n".join(failures)
+
+
+def test_clean_or_destroy_refused_while_a_hook_runs():
+    """A hook running on another thread holds its buffer half: reset (clean_low_latency_buffer, destroy)
+    waits for nobody and is refused; once the hook has finished it goes ahead."""
+    import threading
+    from deep_ep.low_latency import LowLatencySlots, ReceiveHook
+    slots, started, release = LowLatencySlots(), threading.Event(), threading.Event()
+
+    def receive() -> None:
+        started.set()
+        release.wait(timeout=30)
+
+    hook = ReceiveHook(receive, "low_latency_dispatch")
+    slots.hold(slots.acquire("low_latency_dispatch"), hook)
+    worker = threading.Thread(target=hook)
+    worker.start()
+    assert started.wait(timeout=30)
+    with pytest.raises(RuntimeError, match="still running"):
+        slots.reset("destroy()")
+    release.set()
+    worker.join(timeout=30)
+    slots.reset("destroy()")
+    other = ReceiveHook(lambda: None, "low_latency_combine")
+    slots.hold(slots.acquire("low_latency_combine"), other)
+    slots.reset("destroy()")
+    with pytest.raises(RuntimeError, match="discarded by destroy"):
+        other()
