@@ -87,7 +87,8 @@ class Buffer:
         hosts = self._agree_on_arguments(dict(
             num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, low_latency_mode=bool(low_latency_mode),
             enable_shrink=bool(enable_shrink),
-            allow_nvlink_for_low_latency_mode=bool(allow_nvlink_for_low_latency_mode), num_ranks_per_node=-1 if num_ranks_per_node is None else num_ranks_per_node,
+            allow_nvlink_for_low_latency_mode=bool(allow_nvlink_for_low_latency_mode),
+            num_ranks_per_node=-1 if num_ranks_per_node is None else num_ranks_per_node,
             transport=TRANSPORTS.index(requested_transport)))
         if num_ranks_per_node is None:
             num_ranks_per_node = self._group.ranks_per_node_of(hosts)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import weakref
 import zlib
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -133,7 +133,7 @@ class NVLinkTransport(Transport):
         self.timeout_ns = int(timeout_s * 1e9)
         self._channels: Optional[int] = None
         self._plans: Dict[int, _Plan] = {}   # id(handle[3]) -> plan, forgotten with the handle
-        self._launches: Dict[tuple, Relaunch] = {}   # per kernel and shape (_layout, _dispatch_launch, ...)
+        self._launches: Dict[tuple, Any] = {}   # per kernel and shape (_launch)
         self._geometries: Dict[tuple, tuple] = {}    # _dispatch_geometry's results
         self.low_latency: Optional[NVLinkLowLatency] = None
         if num_low_latency_bytes > 0:   # else the class's methods hand low-latency calls to the reference
@@ -155,6 +155,13 @@ class NVLinkTransport(Transport):
             raise CommTimeoutError(f"rank {self.topology.rank}: waited more than {self.timeout_ns / 1e9:g} s for rank "
                                    f"{peer} to send {STATUS_WHAT.get(code, 'a signal')}; this Buffer cannot be used "
                                    "any more")
+
+    def _launch(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """The launches kept for `key` (a kernel and shape), made by `make()` the first time."""
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launches[key] = make()
+        return launch
 
     def _begin(self, num_channels: int) -> None:
         """Every operation: report an earlier timeout; if the channel count changed, the rings move, so let
@@ -211,9 +218,7 @@ class NVLinkTransport(Transport):
         R, dev = self.topology.num_ranks, self.device
         num_tokens, topk = topk_idx.shape
         key = ("layout", topk, num_experts)
-        relaunch = self._launches.get(key)
-        if relaunch is None:
-            relaunch = self._launches[key] = self._layout_launch(topk, num_experts)
+        relaunch = self._launch(key, lambda: self._layout_launch(topk, num_experts))
         per_rank = torch.empty(R, dtype=torch.int32, device=dev)
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
         in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=dev)
@@ -252,7 +257,7 @@ class NVLinkTransport(Transport):
         if signature is None:
             signature = self._signatures[shapes] = _signature("dispatch", *shapes, self.total_words)
         key = ("notify", C, num_experts, bool(num_worst_tokens))
-        prepare, notify, fill_plan, plan_tables = self._launches.get(key) or self._notify_launches(key)
+        prepare, notify, fill_plan, plan_tables = self._launch(key, lambda: self._notify_launches(key))
         before = torch.empty((num_tokens + 1, R), dtype=torch.int32, device=dev)
         send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=dev)
         channel_counts = torch.empty((R, C), dtype=torch.int32, device=dev)
@@ -318,7 +323,6 @@ class NVLinkTransport(Transport):
                         num_warps=4)
         sizes = (R + 1, R * C, R * C, R, R)
         offsets = tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
-        self._launches[key] = prepare, notify, plan, offsets
         return prepare, notify, plan, offsets
 
     def _wait_counts(self, payload, signature, num_experts):
@@ -390,11 +394,9 @@ class NVLinkTransport(Transport):
         direct = self._fits_whole(plan.max_recv_rows, slot_words)
         key = ("dispatch", direct, geometry, plan.num_channels, topk_weights is not None, expert_begin,
                experts_per_rank)
-        relaunch = self._launches.get(key)
-        if relaunch is None:
-            relaunch = self._launches[key] = self._dispatch_launch(direct, geometry, plan.num_channels,
+        relaunch = self._launch(key, lambda: self._dispatch_launch(direct, geometry, plan.num_channels,
                                                                    topk_weights is not None, expert_begin,
-                                                                   experts_per_rank)
+                                                                   experts_per_rank))
         dummy = recv_src
         inputs = (Pointer(x, torch.int32) if x.numel() else dummy,
                   dummy if scales is None else Pointer(scales, torch.int32),
@@ -444,10 +446,8 @@ class NVLinkTransport(Transport):
         bias0, bias1 = biases
         direct = self._fits_whole(plan.max_send_rows, _combine_slot(topk, hidden)[1])
         key = ("combine", hidden, topk, bias0 is not None, bias1 is not None, C, direct)
-        relaunch = self._launches.get(key)
-        if relaunch is None:
-            relaunch = self._launches[key] = self._combine_launch(direct, hidden, topk, bias0 is not None,
-                                                                  bias1 is not None, C)
+        relaunch = self._launch(key, lambda: self._combine_launch(direct, hidden, topk, bias0 is not None,
+                                                                  bias1 is not None, C))
         in_rank = handle[4]
         num_tokens = in_rank.shape[0]
         combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)

@@ -178,13 +178,12 @@ class NVLinkLowLatency:
             ROWS=RECV_ROWS)
         from .ll_dispatch import ll_dispatch_kernel, ll_dispatch_recv_kernel, ll_dispatch_send_kernel
         receive = dict(receive_only, **_pick(send, _DISPATCH_SHARED))
+        small = slots <= RECV_SMALL_TABLE and RECV_ROWS * _next_pow2(payload_words) <= RECV_SMALL_TILE
         return dict(
             send=Relaunch(ll_dispatch_send_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS, **send, num_warps=NUM_WARPS),
             receive=Relaunch(ll_dispatch_recv_kernel,
                              (max(1, min(experts_per_rank, RECV_PROGRAMS_PER_SM * self.num_sms)),),
-                             _DISPATCH_OUTPUTS, **receive,
-                             num_warps=RECV_WARPS if slots <= RECV_SMALL_TABLE
-                             and RECV_ROWS * _next_pow2(payload_words) <= RECV_SMALL_TILE else NUM_WARPS),
+                             _DISPATCH_OUTPUTS, **receive, num_warps=RECV_WARPS if small else NUM_WARPS),
             fused=Relaunch(ll_dispatch_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + _DISPATCH_OUTPUTS[1:], **send,
                            **receive_only, num_warps=NUM_WARPS, launch_cooperative_grid=True)
             if self.can_fuse else None,
