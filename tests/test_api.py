@@ -790,9 +790,16 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
         assert recv_x.shape[0] == worst and counts == [], (tuple(recv_x.shape), counts)
         assert bool((recv_idx[2 * T:] == -1).all())
 
-    # an mpi4py communicator instead of a group (TensorRT-LLM): only the NVLink transport can serve it, so on the
+    # an mpi4py communicator instead of a group (TensorRT-LLM): only the NVLink transport can serve it; on the
     # reference transport the constructor says so (every later call would fail)
-    c.expect("comm_without_group", ValueError, lambda: Buffer(None, nvl, 0, comm=_CommOver(group)), "comm")
+    if ctx.device.type == "cuda":
+        with c.check("comm_without_group"):
+            over_comm = Buffer(None, nvl, 0, comm=_CommOver(group), explicitly_destroy=True)
+            assert over_comm.transport_name == "nvlink", over_comm.transport_name
+            tiny_dispatch(ctx, over_comm)
+            over_comm.destroy()
+    else:
+        c.expect("comm_without_group", ValueError, lambda: Buffer(None, nvl, 0, comm=_CommOver(group)), "comm")
     with c.check("comm_without_group"):
         tiny_dispatch(ctx, buf)
 
