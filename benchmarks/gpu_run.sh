@@ -57,9 +57,9 @@ run_tests() {   # log name, then pytest arguments
 if has normal; then
     run_tests tests_nvlink_sweep tests/test_nvlink.py -k "sweep" &
     run_tests tests_nvlink_rings tests/test_nvlink.py -k "small_rings" &
-    run_tests tests_nvlink_model tests/test_nvlink.py -k "matches_model" &
+    run_tests tests_nvlink_model tests/test_nvlink.py -k "matches_model or many_ranks" &
     run_tests tests_nvlink_other tests/test_nvlink.py tests/test_nvlink_launch.py \
-        -k "not (sweep or small_rings or matches_model)" &
+        -k "not (sweep or small_rings or matches_model or many_ranks)" &
     DEEP_EP_NVLINK_DIRECT=0 DEEP_EP_NVLINK_OWN_ROWS=receiver run_tests tests_rings_only tests/test_nvlink.py \
         -k "sweep or small_rings" &
 fi

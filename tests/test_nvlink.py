@@ -137,6 +137,23 @@ def test_nvlink_small_rings_match_reference(pool, world_size):
     _report(seed, lambda: pool(world_size).run(run_compare, seed, shapes))
 
 
+# 3 and 8 ranks (several per GPU): the sweep's kinds of case at sizes that many ranks' buffers hold at once;
+# 48 experts divide among 3 and 8 ranks, and one rank has no tokens
+MANY_RANKS = [
+    dict(name="many-ranks-h7168-top8", tokens=[1024, 0, 517, 1, 300, 64, 999, 128], hidden=7168, topk=8, experts=48,
+         num_sms=24),
+    dict(name="many-ranks-h2880-top32-skewed-masked", tokens=[200, 1, 0, 333, 64, 512, 7, 90], hidden=2880, topk=32,
+         experts=48, num_sms=16, routing="skewed", mask_frac=0.2),
+]
+
+
+@pytest.mark.parametrize("world_size", [3, 8])
+def test_nvlink_matches_reference_many_ranks(pool, world_size):
+    seed = base_seed()
+    shapes = [dict(s, tokens=s["tokens"][:world_size]) for s in MANY_RANKS]
+    _report(seed, lambda: pool(world_size).run(run_compare, seed, shapes))
+
+
 @pytest.mark.parametrize("world_size", [3, 8])
 def test_nvlink_matches_model(pool, world_size):
     """3 and 8 ranks on 2 GPUs (2 and 4 processes per GPU), against the independent model."""
@@ -243,6 +260,52 @@ def run_async_then_sync(ctx, seed: int, rounds: int) -> List[str]:
 def test_nvlink_async_then_sync_keeps_stream_order(pool):
     seed = base_seed()
     _report(seed, lambda: pool(2).run(run_async_then_sync, seed, 20))
+
+
+def run_compute_stream_stays_free(ctx) -> Dict[str, str]:
+    """With async_finish, a call that needs no received count on the host (cached dispatch, num_worst_tokens
+    dispatch, combine) neither waits on the host nor makes the compute stream wait: with the comm stream held
+    up by a long sleep kernel, work queued on the compute stream after the call completes first."""
+    from deep_ep import Buffer, Config
+    num_tokens, hidden, topk, num_experts = 512, 1024, 8, 32
+    config = Config(8, 4, 64)
+    buffer = Buffer(ctx.group, 1 << 26, 0, transport="nvlink", explicitly_destroy=True, timeout_s=60)
+    gen = generator(0, "stream-free", ctx.rank)
+    idx, weights = make_routing(gen, num_tokens, topk, num_experts, "uniform", 0.1)
+    x = make_x(gen, num_tokens, hidden, "bf16").to(ctx.device)
+    idx, weights = idx.to(ctx.device), weights.to(ctx.device)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=weights, config=config)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **layout)
+    calls = {
+        "cached dispatch": lambda: buffer.dispatch(x, handle=handle, config=config, async_finish=True)[-1],
+        "num_worst_tokens dispatch": lambda: buffer.dispatch(x, num_worst_tokens=num_tokens * ctx.world_size,
+                                                             async_finish=True, **layout)[-1],
+        "combine": lambda: buffer.combine(recv_x, handle, config=config, async_finish=True)[-1],
+    }
+    comm = buffer.get_comm_stream()
+    out: Dict[str, str] = {}
+    for name, call in calls.items():
+        call().current_stream_wait()   # compiled before the timed round
+        torch.cuda.synchronize()
+        with torch.cuda.stream(comm):
+            torch.cuda._sleep(1_000_000_000)   # about half a second
+        event = call()
+        marker = torch.cuda.Event()
+        marker.record()
+        marker.synchronize()
+        out[name] = "comm stream still busy" if not comm.query() else "waited for the comm stream"
+        event.current_stream_wait()
+        torch.cuda.synchronize()
+    buffer.destroy()
+    return out
+
+
+def test_nvlink_async_calls_leave_the_compute_stream_free(pool):
+    for rank, result in enumerate(pool(2).run(run_compute_stream_stays_free)):
+        for name, verdict in result.items():
+            assert verdict == "comm stream still busy", f"rank {rank}: asynchronous {name}: {verdict}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -370,7 +433,7 @@ def test_nvlink_stress_10000_iterations(pool):
 # ---------------------------------------------------------------------------------------------------
 def run_errors(ctx) -> Dict[str, str]:
     import deep_ep
-    from deep_ep import Buffer
+    from deep_ep import Buffer, Config
     out: Dict[str, str] = {}
     num_tokens, hidden, num_experts = 8, 256, 4
     buffer = Buffer(ctx.group, 1 << 24, 0, transport="nvlink", explicitly_destroy=True, timeout_s=3)
@@ -399,6 +462,19 @@ def run_errors(ctx) -> Dict[str, str]:
     # the Buffer still works afterwards
     recv_x, _, _, _, handle, _ = buffer.dispatch(x, **kwargs)
     out["after"] = str(bool(torch.equal(buffer.combine(recv_x, handle)[0], (2 * x.float()).to(torch.bfloat16))))
+    # a buffer too small for this shape's rings: a ValueError at the call on every rank, and a shape it holds
+    # still runs on it
+    tiny = Buffer(ctx.group, 1 << 17, 0, transport="nvlink", explicitly_destroy=True, timeout_s=3)
+    try:
+        tiny.dispatch(torch.cat([x] * 28, dim=1), **kwargs, config=Config(24, 4, 256))
+        out["too_small"] = "no error"
+    except ValueError as error:
+        out["too_small"] = "ValueError: " + str(error)
+    config = Config(8, 4, 16)
+    recv_x, _, _, _, handle, _ = tiny.dispatch(x, **kwargs, config=config)
+    combined = tiny.combine(recv_x, handle, config=config)[0]
+    out["too_small_after"] = str(bool(torch.equal(combined, (2 * x.float()).to(torch.bfloat16))))
+    tiny.destroy()
     # a peer that never comes: rank 0 waits, gives up after timeout_s with an error naming rank and peer
     if ctx.rank == 0:
         try:
@@ -424,5 +500,7 @@ def test_nvlink_errors(pool):
         else:
             assert "rank(s) [1]" in r["bad_expert"], r["bad_expert"]
         assert r["after"] == "True", f"rank {rank}: the Buffer is broken after refused calls"
+        assert r["too_small"].startswith("ValueError") and "num_nvl_bytes=131072" in r["too_small"], r["too_small"]
+        assert r["too_small_after"] == "True", f"rank {rank}: a shape that fits failed after the refused one"
     assert "rank 0" in results[0]["timeout"] and "rank 1" in results[0]["timeout"], results[0]["timeout"]
     assert results[0]["timeout"].startswith("CommTimeoutError"), results[0]["timeout"]

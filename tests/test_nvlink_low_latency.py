@@ -135,7 +135,7 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]]) -> List[str]:
     return errors
 
 
-LL_SWEEP = [  # tokens 0/1/128/512, hidden 2048/2880/4096/7168, top-k 1/8/32, skewed, masked, duplicates
+LL_SWEEP = [  # tokens 0/1/128/512/1024, hidden 2048/2880/4096/7168, top-k 1/8/32, skewed, masked, duplicates
     dict(name="deepseek-decode-fp8", tokens=[128, 128], N=128, hidden=7168, topk=8, experts=288, fp8=True),
     dict(name="h4096-top32-skewed-bf16", tokens=[512, 300], N=512, hidden=4096, topk=32, experts=64,
          routing="skewed", mask_frac=0.1),
@@ -145,7 +145,10 @@ LL_SWEEP = [  # tokens 0/1/128/512, hidden 2048/2880/4096/7168, top-k 1/8/32, sk
          round_scale=True, mask_frac=0.3),
     dict(name="h7168-top32-duplicates-bf16", tokens=[64, 37], N=64, hidden=7168, topk=32, experts=32,
          routing="dup"),
+    dict(name="n1024-fp8", tokens=[1024, 1000], N=1024, hidden=2048, topk=8, experts=64, fp8=True),  # the most tokens
 ]
+# at 4 and 8 ranks (several per GPU): the second case's top-32 skewed routing at a size their buffers hold
+MANY_RANKS_TOP32 = dict(LL_SWEEP[1], name="h4096-top32-skewed-bf16-n128", tokens=[128, 100], N=128)
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
@@ -153,7 +156,7 @@ def test_ll_nvlink_matches_reference(pool, world_size):
     seed = base_seed()
     # more ranks share the GPUs here: the decode shape with N=64 keeps 8 ranks' buffers in memory
     decode = dict(LL_SWEEP[0], name="deepseek-decode-fp8-n64", tokens=[64, 64], N=64)
-    shapes = LL_SWEEP if world_size == 2 else [decode] + LL_SWEEP[2:4]
+    shapes = LL_SWEEP if world_size == 2 else [decode, MANY_RANKS_TOP32] + LL_SWEEP[2:4]
     results = pool(world_size).run(run_compare, seed, shapes, timeout=900)
     errors = [e for per_rank in results for e in per_rank]
     assert not errors, f"seed={seed} (replay: DEEP_EP_TEST_SEED={seed}): {len(errors)} mismatches\n" + \
@@ -225,6 +228,64 @@ def test_ll_nvlink_cuda_graph_replays(pool, hook):
     for rank, r in enumerate(results):
         assert r["replays"] == replays
         assert r["wrong_tokens"] == 0, f"seed {seed}: rank {rank}: {r['wrong_tokens']} wrong tokens"
+
+
+# ---------------------------------------------------------------------------------------------------
+# enable_shrink with a rank that never calls (its process died): the others mask it and carry on
+# ---------------------------------------------------------------------------------------------------
+def _absent_rank_inputs(seed: int, round_: int, rank: int, n: int, hidden: int, topk: int, num_experts: int):
+    gen = generator(seed, "absent-rank", round_, rank)
+    idx, weights = make_routing(gen, n - rank, topk, num_experts, "uniform", 0.1, 0)
+    return make_x(gen, n - rank, hidden), idx, weights
+
+
+def run_absent_rank(ctx, seed: int) -> List[str]:
+    """The last rank constructs its Buffer and then makes no low-latency call. The others mask it: their
+    dispatches receive the rows of the live ranks only (bitwise, in source-then-token order) and their
+    combines sum only the selections of live experts (identity experts: the weighted sum of x, in the
+    reference's fp32 order). Nothing waits for the absent rank (a wait would time out after timeout_s)."""
+    from deep_ep import Buffer
+    R, rank = ctx.world_size, ctx.rank
+    absent = R - 1
+    n, hidden, topk, num_experts = 32, 1024, 4, 4 * R
+    e_loc = num_experts // R
+    buffer = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, R, num_experts),
+                    low_latency_mode=True, num_qps_per_rank=e_loc, enable_shrink=True, transport="nvlink",
+                    explicitly_destroy=True, timeout_s=10)
+    errors: List[str] = []
+    if rank != absent:
+        buffer.low_latency_update_mask_buffer(absent, True)
+        for i in range(3):
+            inputs = {r: _absent_rank_inputs(seed, i, r, n, hidden, topk, num_experts) for r in range(absent)}
+            x, idx, weights = (t.to(ctx.device) for t in inputs[rank])
+            recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+            combined = buffer.low_latency_combine(recv_x, idx, weights, handle)[0]
+            torch.cuda.synchronize()
+            name = f"rank {rank} round {i}"
+            for e in range(e_loc):   # the rows this expert gets from the live ranks, in order
+                expert = rank * e_loc + e
+                rows = [inputs[r][0][t] for r in range(absent) for t, k in (inputs[r][1] == expert).nonzero().tolist()]
+                expected = torch.stack(rows) if rows else torch.empty(0, hidden, dtype=torch.bfloat16)
+                if int(count[e]) != len(rows):
+                    errors.append(f"{name} expert {expert}: recv_count {int(count[e])}, expected {len(rows)}")
+                else:
+                    _same(errors, f"{name} expert {expert} rows", recv_x[e, :len(rows)].cpu(), expected)
+            x_cpu, idx_cpu, w_cpu = inputs[rank]
+            acc = torch.zeros(x_cpu.shape, dtype=torch.float32)
+            for k in range(topk):
+                live = ((idx_cpu[:, k] >= 0) & (idx_cpu[:, k] // e_loc != absent)).unsqueeze(1)
+                acc = torch.where(live, acc + w_cpu[:, k:k + 1] * x_cpu.float(), acc)
+            _same(errors, f"{name} combined", combined.cpu(), acc.to(torch.bfloat16))
+    torch.distributed.barrier(group=ctx.group)   # (the absent rank waits here, not in destroy's bounded barrier)
+    buffer.destroy()
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ll_nvlink_shrink_with_an_absent_rank(pool, world_size):
+    seed = base_seed()
+    errors = [e for per_rank in pool(world_size).run(run_absent_rank, seed, timeout=300) for e in per_rank]
+    assert not errors, f"seed={seed}: " + "\n".join(errors[:20])
 
 
 # ---------------------------------------------------------------------------------------------------
