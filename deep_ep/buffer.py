@@ -110,6 +110,8 @@ class Buffer:
         self._default_configs: dict = {}   # _default_config
         self._slots = LowLatencySlots()
         self._low_latency_async = False   # the last low-latency call ran asynchronously on the comm stream
+        # per buffer half, the stream (id triple) that the receive of its last low-latency call runs on
+        self._receive_streams: List[Optional[tuple]] = [None, None]
         # the last handle checked and its results per (num_tokens, num_channels): a handle reused call after
         # call is checked once (this keeps that one handle alive until another is checked)
         self._checked_handle: Tuple[Optional[tuple], dict] = (None, {})
@@ -575,6 +577,8 @@ class Buffer:
     def _run_low_latency(self, launch, finish, half: int, name: str, async_finish: bool, return_recv_hook: bool,
                          inputs: tuple):
         """Launch, then either return a hook, or receive at once on the comm stream (async) / current stream."""
+        if self.device.type == "cuda" and not torch._C._cuda_isCurrentStreamCapturing():
+            self._order_after_last_receive(half, return_recv_hook)
         if return_recv_hook:
             stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
             if self._low_latency_async and stream is not None and not torch.cuda.is_current_stream_capturing():
@@ -609,6 +613,20 @@ class Buffer:
         out, event = self._comm_stream.run(run, inputs, None, async_finish)
         self._low_latency_async = async_finish
         return out, event, None
+
+    def _order_after_last_receive(self, half: int, return_recv_hook: bool) -> None:
+        """The send of a low-latency call overwrites what the last call on its half received: if that receive
+        was issued on another stream than this call's, the caller's stream (which the comm stream waits for)
+        waits for it. Calls without a hook run on the comm stream, in order; a hook runs on its call's stream."""
+        comm = self._comm_stream
+        current = torch._C._cuda_getCurrentStream(comm.device_index)
+        issued_on = current if return_recv_hook else comm.stream_ids
+        previous = self._receive_streams[half]
+        if previous is not None and previous not in (current, issued_on):
+            as_stream = lambda ids: torch.cuda.Stream(stream_id=ids[0], device_index=ids[1],  # noqa: E731
+                                                      device_type=ids[2])
+            as_stream(current).wait_stream(as_stream(previous))
+        self._receive_streams[half] = issued_on
 
     def _combine_send_view(self, half: int, experts_per_rank: int, num_max_tokens: int, hidden: int) -> torch.Tensor:
         layout = LowLatencyLayout(num_max_tokens, hidden, experts_per_rank * self.group_size)

@@ -46,7 +46,7 @@ class CommStream:
         if device.type == "cuda":
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.stream = torch.cuda.Stream(device=device, priority=-1)
-            self._stream_id = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)
+            self.stream_ids = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)
             # fences reused call after call (a wait takes the event's latest record)
             self._caller_reached = torch.cuda.Event()
             self._call_done = torch.cuda.Event()
@@ -83,7 +83,7 @@ class CommStream:
             _record(self._caller_reached, compute)
             _wait(self._caller_reached, self.stream)
         caller_device = torch._C._cuda_getDevice()
-        torch._C._cuda_setStream(*self._stream_id)   # (this also makes the Buffer's device current)
+        torch._C._cuda_setStream(*self.stream_ids)   # (this also makes the Buffer's device current)
         try:
             if validate is not None:
                 validate()

@@ -7,6 +7,7 @@ bitwise comparison with the reference transport at decode shapes, 8 ranks, CUDA-
 changing routing, hooks called from another thread, and the errors found on the GPU.
 """
 import threading
+import time
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -231,6 +232,53 @@ def test_ll_nvlink_cuda_graph_replays(pool, hook):
 
 
 # ---------------------------------------------------------------------------------------------------
+# A call on a buffer half whose last receive (a hook) was issued on another stream
+# ---------------------------------------------------------------------------------------------------
+def run_hook_on_another_stream(ctx, seed: int) -> List[str]:
+    """Dispatch A's hook runs on stream S1 behind a long sleep; meanwhile dispatches B (the other half) and C
+    (A's half) are issued on stream S2. C's send must wait for A's receive, on every rank: otherwise its rows
+    and masks land in a half that A has not read yet. Every result is compared with the reference."""
+    from deep_ep import Buffer
+    shape = dict(N=64, hidden=1024, topk=4, experts=8)
+    R = ctx.world_size
+    hint = Buffer.get_low_latency_rdma_size_hint(shape["N"], shape["hidden"], R, shape["experts"])
+    buffers = {label: Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=shape["experts"] // R,
+                             transport=label, explicitly_destroy=True, timeout_s=60)
+               for label in ("nvlink", "reference")}
+    inputs = []
+    for call in range(3):
+        gen = generator(seed, "hook-on-another-stream", call, ctx.rank)
+        idx, _ = make_routing(gen, shape["N"] - call, shape["topk"], shape["experts"], "uniform", 0.1, 0)
+        inputs.append((make_x(gen, shape["N"] - call, shape["hidden"]).to(ctx.device), idx.to(ctx.device)))
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    fast = buffers["nvlink"]
+    with torch.cuda.stream(s1):
+        a = fast.low_latency_dispatch(*inputs[0], shape["N"], shape["experts"], use_fp8=False, return_recv_hook=True)
+        torch.cuda._sleep(1_000_000_000)   # about half a second
+        a[4]()
+    with torch.cuda.stream(s2):
+        b = fast.low_latency_dispatch(*inputs[1], shape["N"], shape["experts"], use_fp8=False)
+        c = fast.low_latency_dispatch(*inputs[2], shape["N"], shape["experts"], use_fp8=False)
+    torch.cuda.synchronize()
+    errors: List[str] = []
+    for name, got, (x, idx) in zip("ABC", (a, b, c), inputs):
+        expected = buffers["reference"].low_latency_dispatch(x, idx, shape["N"], shape["experts"], use_fp8=False)
+        _same(errors, f"rank {ctx.rank} dispatch {name} recv_count", got[1], expected[1])
+        counts = expected[1].tolist()
+        for e, (g, x_) in enumerate(zip(_valid_rows(got[0], counts), _valid_rows(expected[0], counts))):
+            _same(errors, f"rank {ctx.rank} dispatch {name} expert {e}", g, x_)
+    for buf in buffers.values():
+        buf.destroy()
+    return errors
+
+
+def test_ll_nvlink_hook_on_another_stream(pool):
+    seed = base_seed()
+    errors = [e for per_rank in pool(2).run(run_hook_on_another_stream, seed, timeout=300) for e in per_rank]
+    assert not errors, f"seed={seed}: " + "\n".join(errors[:20])
+
+
+# ---------------------------------------------------------------------------------------------------
 # enable_shrink with a rank that never calls (its process died): the others mask it and carry on
 # ---------------------------------------------------------------------------------------------------
 def _absent_rank_inputs(seed: int, round_: int, rank: int, n: int, hidden: int, topk: int, num_experts: int):
@@ -316,8 +364,12 @@ def run_ll_errors(ctx) -> Dict[str, str]:
     combined = buffer.low_latency_combine(recv_x, idx, weights, handle)[0]
     out["after"] = str(bool(torch.equal(combined, (2 * x.float()).to(torch.bfloat16))))
     if ctx.rank == 0:   # rank 1 never comes: rank 0's receive gives up after timeout_s
+        start = time.monotonic()
+        buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+        # queued behind it before the host has seen the timeout: its waits give up soon after they begin
         buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
         torch.cuda.synchronize()
+        out["two_queued_seconds"] = f"{time.monotonic() - start:.3f}"
         try:
             buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
             out["timeout"] = "no error"
@@ -338,3 +390,5 @@ def test_ll_nvlink_errors(pool):
         assert r["after"] == "True", f"rank {rank}: wrong result after the refused call"
     timeout = results[0]["timeout"]
     assert timeout.startswith("CommTimeoutError") and "rank 0" in timeout and "rank 1" in timeout, timeout
+    # timeout_s is 3: the first call waits it out, the one queued behind it not again
+    assert float(results[0]["two_queued_seconds"]) < 4.5, results[0]["two_queued_seconds"]

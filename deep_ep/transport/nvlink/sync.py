@@ -3,7 +3,10 @@ at system scope, and bounded spins.
 
 A wait gives up after `timeout_ns` (measured with the GPU's global timer): it records (code, peer) in the
 host-visible status words and returns False; the host turns that into an error naming rank and peer. A
-program whose wait failed skips the rest of its work, so a kernel always finishes.
+program whose wait failed skips the rest of its work, so a kernel always finishes. Once a wait has timed
+out, every later wait of the Buffer gives up after STALE_NS (status[0] is set): work already queued on the
+GPU, or a CUDA graph replayed without a host check, then finishes quickly instead of waiting out the
+timeout at every step.
 """
 import triton
 import triton.language as tl
@@ -21,6 +24,7 @@ STATUS_WHAT = {1: "its dispatch counts (notify)", 2: "its rows",
 WAIT_LL_FREE = tl.constexpr(6)
 WAIT_FREE = tl.constexpr(7)
 NO_PEER = tl.constexpr(1 << 30)
+STALE_NS = tl.constexpr(1_000_000)   # how long a wait runs before it also looks for an earlier timeout
 
 
 @triton.jit
@@ -43,12 +47,15 @@ def wait_counters(ptrs, targets, mask, peers, timeout_ns, status_ptr, code):
     values = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
     lagging = (mask & (values < targets)).to(tl.int32)
     waited = tl.where(mask, globaltimer() - start, 0)
+    stale = tl.zeros([], tl.int32)
     # (the clock is read afresh in the condition and the body: a clock value carried through the loop
     # crashes the Triton 3.6 compiler)
-    while (tl.sum(lagging) > 0) & ((globaltimer() - start) < timeout_ns):
+    while (tl.sum(lagging) > 0) & ((globaltimer() - start) < timeout_ns) & (stale == 0):
         values = tl.atomic_add(ptrs, 0, mask=lagging > 0, sem="acquire", scope="sys")
         waited = tl.where(lagging > 0, globaltimer() - start, waited)
         lagging = tl.where(lagging > 0, (values < targets).to(tl.int32), 0)
+        if globaltimer() - start > STALE_NS:   # (status is host memory: not read in a short wait)
+            stale = tl.load(status_ptr, volatile=True)
     ok = tl.sum(lagging) == 0
     if not ok:
         report_timeout(status_ptr, code, tl.min(tl.where(lagging > 0, peers, NO_PEER)))
