@@ -50,3 +50,24 @@ def test_plan_from_handle_matches_the_model(num_ranks, num_channels):
         assert torch.equal(plan.push_row0, sent[:g].sum(0).to(torch.int32)), msg
         assert torch.equal(plan.combine_row0, sent[:, :g].sum(1).to(torch.int32)), msg
         assert (plan.max_recv_rows, plan.max_send_rows) == (int(sent.sum(0).max()), int(sent.sum(1).max())), msg
+
+
+class _GroupOf:
+    """A stand-in for the transport's group: gather_int_lists returns this rank's values and the others'."""
+
+    def __init__(self, others):
+        self.others = others
+
+    def gather_int_lists(self, values, what):
+        return [list(values)] + [other(list(values)) for other in self.others]
+
+
+def test_ranks_must_agree_on_the_protocol_settings():
+    from deep_ep.transport.nvlink import _agree_on_settings
+    from deep_ep.transport.nvlink.low_latency import NUM_SENDERS as n
+    _agree_on_settings(_GroupOf([lambda values: values, lambda values: values]))   # all alike: no error
+    more_senders = lambda values: values[:3] + [values[3] * 2]  # noqa: E731
+    with pytest.raises(ValueError, match=rf"DEEP_EP_LL_SENDERS.*\[{n}, {n}, {2 * n}\]"):
+        _agree_on_settings(_GroupOf([lambda values: values, more_senders]))
+    with pytest.raises(ValueError, match="DEEP_EP_NVLINK_DIRECT"):
+        _agree_on_settings(_GroupOf([lambda values: [1 - values[0]] + values[1:]]))

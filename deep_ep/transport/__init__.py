@@ -35,7 +35,8 @@ def select_transport(name: str, group: Group, topology: Topology, device: torch.
     fits = nvlink_fits(group, topology, device, num_nvl_bytes + num_low_latency_bytes)
     if name == "nvlink" and not fits:
         raise ValueError("transport='nvlink' needs every rank on one node, on CUDA devices with peer access "
-                         "to each other, Triton installed, and num_nvl_bytes > 0 (or a low-latency buffer)")
+                         "and native atomics to each other (NVLink), Triton installed, and num_nvl_bytes > 0 (or a "
+                         "low-latency buffer)")
     if fits:
         from .nvlink import NVLinkTransport
         return NVLinkTransport(group, topology, device, num_nvl_bytes, num_low_latency_bytes, timeout_s)
@@ -49,7 +50,23 @@ def nvlink_fits(group: Group, topology: Topology, device: torch.device, num_byte
     devices = group.gather_ints(device.index if usable else -1, "NVLink transport check")
     if any(d < 0 for d in devices):
         return False
-    return all(a == b or torch.cuda.can_device_access_peer(a, b) for a in set(devices) for b in set(devices))
+    return all(_peer_kernels_work(a, b) for a in set(devices) for b in set(devices))
+
+
+def _peer_kernels_work(a: int, b: int) -> bool:
+    """Whether kernels on GPU `a` may store into GPU `b`'s memory and poll counters there with system-scope
+    atomics: peer access, and atomics the link carries natively (NVLink does; many PCIe set-ups do not)."""
+    if a == b:
+        return True
+    if not torch.cuda.can_device_access_peer(a, b):
+        return False
+    try:
+        from cuda.bindings import runtime   # (the NVLink transport enables peer access through it too)
+    except ImportError:
+        return False
+    error, native = runtime.cudaDeviceGetP2PAttribute(runtime.cudaDeviceP2PAttr.cudaDevP2PAttrNativeAtomicSupported,
+                                                      a, b)
+    return error == runtime.cudaError_t.cudaSuccess and native == 1
 
 
 __all__ = ["Transport", "ReferenceTransport", "select_transport", "transport_name", "TRANSPORTS"]

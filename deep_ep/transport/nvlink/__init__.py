@@ -84,6 +84,21 @@ class _Plan(NamedTuple):
     max_send_rows: Optional[int]  # host, so the rings serve this routing)
 
 
+def _agree_on_settings(group: Group) -> None:
+    """The environment settings that both ends of an exchange use must be the same on every rank (a sender
+    and a receiver that disagree would garble rows or wait forever): a difference raises ValueError on every
+    rank, naming the variable."""
+    from .low_latency import NUM_SENDERS
+    settings = {"DEEP_EP_NVLINK_DIRECT": int(DIRECT), "DEEP_EP_NVLINK_OWN_ROWS": int(OWN_ROWS == "receiver"),
+                "DEEP_EP_NVLINK_BATCH": BATCH, "DEEP_EP_LL_SENDERS": NUM_SENDERS}
+    everyone = group.gather_int_lists(list(settings.values()), "NVLink transport settings")
+    for i, name in enumerate(settings):
+        values = [row[i] for row in everyone]
+        if any(value != values[0] for value in values):
+            raise ValueError(f"${name} must be the same on every rank of the group; the values in effect are "
+                             f"{values} (by rank)")
+
+
 class NVLinkTransport(Transport):
     name = "nvlink"
     checks_values_on_device = True
@@ -95,6 +110,7 @@ class NVLinkTransport(Transport):
         from .peer_memory import PeerBuffers
         if topology.is_internode:
             raise ValueError("transport='nvlink' needs every rank of the group on one node")
+        _agree_on_settings(group)
         self.reference = ReferenceTransport(group, topology, device)
         self.has_rings = num_nvl_bytes > 0
         if not self.has_rings:   # normal mode without a ring buffer (num_nvl_bytes == 0): the reference serves it
