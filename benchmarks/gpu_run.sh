@@ -2,7 +2,7 @@
 # One call on the GPU machine: the benchmark (alone on the GPUs), then the GPU tests in concurrent groups
 # (Triton compiles on many CPU cores at once); a short table last. Installs nothing (the machine's torch and
 # Triton are used); run from the repository root.
-# Usage: bash benchmarks/gpu_run.sh [seconds for the tests, default 300] [parts, default "bench normal ll other"]
+# Usage: bash benchmarks/gpu_run.sh [seconds for the tests, default 500] [parts, default "bench normal ll other"]
 #   bench: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py); normal mode at 24, 16 and 8
 #          SMs and low-latency mode (2 GPUs); on one GPU a short low-latency run with both ranks on it, which
 #          checks the benchmark's code paths (its times say nothing of NVLink)
@@ -13,7 +13,7 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DEEP_EP_TEST_TIMEOUT_S=500 DEEP_EP_TEST_BUFFER_TIMEOUT_S=60
 out="${OUT:-$(mktemp -d)}"
-limit="${1:-300}"
+limit="${1:-500}"
 parts="${2:-bench normal ll other}"
 has() { [[ " $parts " == *" $1 "* ]]; }
 

@@ -38,7 +38,7 @@ def _inputs(seed: int, shape: Dict[str, Any], rank: int, device):
     gen = generator(seed, shape["name"], rank)
     num_tokens, num_experts = shape["tokens"][rank], shape["experts"]
     idx, weights = make_routing(gen, num_tokens, shape["topk"], num_experts, shape.get("routing", "uniform"),
-                                shape.get("mask_frac", 0.0), int(generator(seed, shape["name"]).seed() % num_experts))
+                                shape.get("mask_frac", 0.0), int(generator(seed, shape["name"]).initial_seed() % num_experts))
     x = make_x(gen, num_tokens, shape["hidden"], "bf16")
     x_fp8 = make_x(gen, num_tokens, shape["hidden"], "fp8_col")
     bias = torch.randn(num_tokens, shape["hidden"], generator=gen).to(torch.bfloat16)
@@ -290,7 +290,7 @@ def run_compute_stream_stays_free(ctx) -> Dict[str, str]:
         call().current_stream_wait()   # compiled before the timed round
         torch.cuda.synchronize()
         with torch.cuda.stream(comm):
-            torch.cuda._sleep(1_000_000_000)   # about half a second
+            torch.cuda._sleep(2_000_000_000)   # about a second
         event = call()
         marker = torch.cuda.Event()
         marker.record()
@@ -464,7 +464,7 @@ def run_errors(ctx) -> Dict[str, str]:
     out["after"] = str(bool(torch.equal(buffer.combine(recv_x, handle)[0], (2 * x.float()).to(torch.bfloat16))))
     # a buffer too small for this shape's rings: a ValueError at the call on every rank, and a shape it holds
     # still runs on it
-    tiny = Buffer(ctx.group, 1 << 17, 0, transport="nvlink", explicitly_destroy=True, timeout_s=3)
+    tiny = Buffer(ctx.group, 1 << 17, 0, transport="nvlink", explicitly_destroy=True, timeout_s=60)
     try:
         tiny.dispatch(torch.cat([x] * 28, dim=1), **kwargs, config=Config(24, 4, 256))
         out["too_small"] = "no error"

@@ -252,14 +252,17 @@ def run_hook_on_another_stream(ctx, seed: int) -> List[str]:
         inputs.append((make_x(gen, shape["N"] - call, shape["hidden"]).to(ctx.device), idx.to(ctx.device)))
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     fast = buffers["nvlink"]
-    with torch.cuda.stream(s1):
-        a = fast.low_latency_dispatch(*inputs[0], shape["N"], shape["experts"], use_fp8=False, return_recv_hook=True)
-        torch.cuda._sleep(1_000_000_000)   # about half a second
-        a[4]()
-    with torch.cuda.stream(s2):
-        b = fast.low_latency_dispatch(*inputs[1], shape["N"], shape["experts"], use_fp8=False)
-        c = fast.low_latency_dispatch(*inputs[2], shape["N"], shape["experts"], use_fp8=False)
-    torch.cuda.synchronize()
+    for held in (False, True):   # the first round compiles what the second launches while S1 is held
+        with torch.cuda.stream(s1):
+            a = fast.low_latency_dispatch(*inputs[0], shape["N"], shape["experts"], use_fp8=False,
+                                          return_recv_hook=True)
+            if held:
+                torch.cuda._sleep(2_000_000_000)   # about a second
+            a[4]()
+        with torch.cuda.stream(s2):
+            b = fast.low_latency_dispatch(*inputs[1], shape["N"], shape["experts"], use_fp8=False)
+            c = fast.low_latency_dispatch(*inputs[2], shape["N"], shape["experts"], use_fp8=False)
+        torch.cuda.synchronize()
     errors: List[str] = []
     for name, got, (x, idx) in zip("ABC", (a, b, c), inputs):
         expected = buffers["reference"].low_latency_dispatch(x, idx, shape["N"], shape["experts"], use_fp8=False)
@@ -296,37 +299,45 @@ def run_absent_rank(ctx, seed: int) -> List[str]:
     R, rank = ctx.world_size, ctx.rank
     absent = R - 1
     n, hidden, topk, num_experts = 32, 1024, 4, 4 * R
-    e_loc = num_experts // R
     buffer = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, R, num_experts),
-                    low_latency_mode=True, num_qps_per_rank=e_loc, enable_shrink=True, transport="nvlink",
+                    low_latency_mode=True, num_qps_per_rank=num_experts // R, enable_shrink=True, transport="nvlink",
                     explicitly_destroy=True, timeout_s=10)
     errors: List[str] = []
-    if rank != absent:
-        buffer.low_latency_update_mask_buffer(absent, True)
-        for i in range(3):
-            inputs = {r: _absent_rank_inputs(seed, i, r, n, hidden, topk, num_experts) for r in range(absent)}
-            x, idx, weights = (t.to(ctx.device) for t in inputs[rank])
-            recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
-            combined = buffer.low_latency_combine(recv_x, idx, weights, handle)[0]
-            torch.cuda.synchronize()
-            name = f"rank {rank} round {i}"
-            for e in range(e_loc):   # the rows this expert gets from the live ranks, in order
-                expert = rank * e_loc + e
-                rows = [inputs[r][0][t] for r in range(absent) for t, k in (inputs[r][1] == expert).nonzero().tolist()]
-                expected = torch.stack(rows) if rows else torch.empty(0, hidden, dtype=torch.bfloat16)
-                if int(count[e]) != len(rows):
-                    errors.append(f"{name} expert {expert}: recv_count {int(count[e])}, expected {len(rows)}")
-                else:
-                    _same(errors, f"{name} expert {expert} rows", recv_x[e, :len(rows)].cpu(), expected)
-            x_cpu, idx_cpu, w_cpu = inputs[rank]
-            acc = torch.zeros(x_cpu.shape, dtype=torch.float32)
-            for k in range(topk):
-                live = ((idx_cpu[:, k] >= 0) & (idx_cpu[:, k] // e_loc != absent)).unsqueeze(1)
-                acc = torch.where(live, acc + w_cpu[:, k:k + 1] * x_cpu.float(), acc)
-            _same(errors, f"{name} combined", combined.cpu(), acc.to(torch.bfloat16))
-    torch.distributed.barrier(group=ctx.group)   # (the absent rank waits here, not in destroy's bounded barrier)
+    try:
+        if rank != absent:
+            _absent_rank_rounds(ctx, seed, buffer, errors, absent, n, hidden, topk, num_experts)
+    finally:   # (the absent rank waits here, not in destroy's bounded barrier; a live rank that failed comes too)
+        torch.distributed.barrier(group=ctx.group)
     buffer.destroy()
     return errors
+
+
+def _absent_rank_rounds(ctx, seed: int, buffer, errors: List[str], absent: int, n: int, hidden: int, topk: int,
+                        num_experts: int) -> None:
+    """Three rounds of dispatch and combine on a live rank, with the absent rank masked."""
+    rank, e_loc = ctx.rank, num_experts // ctx.world_size
+    buffer.low_latency_update_mask_buffer(absent, True)
+    for i in range(3):
+        inputs = {r: _absent_rank_inputs(seed, i, r, n, hidden, topk, num_experts) for r in range(absent)}
+        x, idx, weights = (t.to(ctx.device) for t in inputs[rank])
+        recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+        combined = buffer.low_latency_combine(recv_x, idx, weights, handle)[0]
+        torch.cuda.synchronize()
+        name = f"rank {rank} round {i}"
+        for e in range(e_loc):   # the rows this expert gets from the live ranks, in order
+            expert = rank * e_loc + e
+            rows = [inputs[r][0][t] for r in range(absent) for t, k in (inputs[r][1] == expert).nonzero().tolist()]
+            expected = torch.stack(rows) if rows else torch.empty(0, hidden, dtype=torch.bfloat16)
+            if int(count[e]) != len(rows):
+                errors.append(f"{name} expert {expert}: recv_count {int(count[e])}, expected {len(rows)}")
+            else:
+                _same(errors, f"{name} expert {expert} rows", recv_x[e, :len(rows)].cpu(), expected)
+        x_cpu, idx_cpu, w_cpu = inputs[rank]
+        acc = torch.zeros(x_cpu.shape, dtype=torch.float32)
+        for k in range(topk):
+            live = ((idx_cpu[:, k] >= 0) & (idx_cpu[:, k] // e_loc != absent)).unsqueeze(1)
+            acc = torch.where(live, acc + w_cpu[:, k:k + 1] * x_cpu.float(), acc)
+        _same(errors, f"{name} combined", combined.cpu(), acc.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
