@@ -30,10 +30,15 @@ _DTYPE_CODES = {dt: i + 1 for i, dt in enumerate([
     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool])}
 
 
+_SELECT_AS = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8,   # (no index_select for these)
+              torch.bfloat16: torch.int16, torch.float16: torch.int16}   # (several times faster on CPUs)
+
+
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`t.index_select(0, index)` for any dtype (float8 rows are moved as bytes)."""
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return t.view(torch.uint8).index_select(0, index).view(t.dtype)
+    """`t.index_select(0, index)` for any dtype (float8 and 16-bit float rows are moved as integers)."""
+    as_int = _SELECT_AS.get(t.dtype)
+    if as_int is not None:
+        return t.view(as_int).index_select(0, index).view(t.dtype)
     return t.index_select(0, index)
 
 
