@@ -7,7 +7,8 @@
 #          SMs and low-latency mode (2 GPUs); on one GPU a short low-latency run with both ranks on it, which
 #          checks the benchmark's code paths (its times say nothing of NVLink)
 #   normal: tests/test_nvlink.py and test_nvlink_launch.py (and the comparisons again with the rings only); ll: the
-#   low-latency tests;
+#   low-latency tests (ll-compare: the comparisons with the reference, ll-other: the rest; on one GPU they run one
+#   after the other, so there a call of at most 10 minutes takes one of them);
 #   other: the rest of the suite
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -63,14 +64,16 @@ if has normal; then
     DEEP_EP_NVLINK_DIRECT=0 DEEP_EP_NVLINK_OWN_ROWS=receiver run_tests tests_rings_only tests/test_nvlink.py \
         -k "sweep or small_rings" &
 fi
-if has ll; then
-    if [ "$gpus" -lt 2 ]; then   # on one GPU every rank's 1 GiB low-latency buffers share it: one group at a time
-        (run_tests tests_ll_compare tests/test_nvlink_low_latency.py -k "matches_reference"
-         run_tests tests_ll_other tests/test_nvlink_low_latency.py tests/test_low_latency.py -k "not matches_reference") &
-    else
-        run_tests tests_ll_compare tests/test_nvlink_low_latency.py -k "matches_reference" &
-        run_tests tests_ll_other tests/test_nvlink_low_latency.py tests/test_low_latency.py -k "not matches_reference" &
-    fi
+ll_compare() { run_tests tests_ll_compare tests/test_nvlink_low_latency.py -k "matches_reference"; }
+ll_other() { run_tests tests_ll_other tests/test_nvlink_low_latency.py tests/test_low_latency.py -k "not matches_reference"; }
+if has ll && [ "$gpus" -lt 2 ]; then   # on one GPU every rank's 1 GiB low-latency buffers share it: one at a time
+    (ll_compare; ll_other) &
+elif has ll; then
+    ll_compare &
+    ll_other &
+else
+    if has ll-compare; then ll_compare & fi
+    if has ll-other; then ll_other & fi
 fi
 if has other; then
     run_tests tests_other tests --ignore=tests/test_nvlink.py --ignore=tests/test_nvlink_launch.py \
