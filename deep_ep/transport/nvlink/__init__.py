@@ -153,8 +153,8 @@ class NVLinkTransport(Transport):
         self._geometries: Dict[tuple, tuple] = {}    # _dispatch_geometry's results
         self.low_latency: Optional[NVLinkLowLatency] = None
         if num_low_latency_bytes > 0:   # else the class's methods hand low-latency calls to the reference
-            self.low_latency = NVLinkLowLatency(group, topology, device, num_low_latency_bytes, self.status,
-                                                self.timeout_ns)
+            self.low_latency = NVLinkLowLatency.open_on_group(group, topology, device, num_low_latency_bytes,
+                                                              self.status, self.timeout_ns)
             self.low_latency_buffer = self.low_latency.area
             self.low_latency_checks_values_on_device = True
             self.low_latency_dispatch = self.low_latency.dispatch

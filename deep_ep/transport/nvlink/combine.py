@@ -17,8 +17,8 @@ and senders never block on one ring, so the exchange cannot deadlock.
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer
 
+from .intrinsics import clock_ns
 from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, begin_operation, channel_tokens, end_operation, lane, peer_view,
                    publish, report_timeout, wait_at_least)
 
@@ -113,7 +113,7 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
         sent = tl.zeros([BLOCK_R], tl.int64)
         remaining = tl.sum(count)
         failed = ok == 0
-        start = globaltimer()
+        start = clock_ns()
         while (remaining > 0) & (failed == 0):
             open_ = peers & (sent < count)
             heads = tl.atomic_add(head_ptrs, 0, mask=open_, sem="acquire", scope="sys")
@@ -139,8 +139,8 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
                 sent += step
                 publish(tail_ptrs, sent0 + sent, peers)
                 remaining = tl.sum(count - sent)
-                start = globaltimer()
-            elif globaltimer() - start > timeout_ns:
+                start = clock_ns()
+            elif clock_ns() - start > timeout_ns:
                 report_timeout(status_ptr, WAIT_SPACE, tl.min(tl.where(open_, ro, NO_PEER)))
                 failed = remaining > 0
         tl.store(ctrl + sent_word + ro * CMAX + q, sent0 + count, mask=peers)

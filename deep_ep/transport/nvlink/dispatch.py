@@ -25,8 +25,8 @@ Rows of (s, q) land in the outputs in token order after the rows of (s, q - 1): 
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer
 
+from .intrinsics import clock_ns
 from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, begin_operation, channel_tokens, end_operation, lane, peer_view,
                    publish, report_timeout, row_pointers, wait_at_least)
 
@@ -203,7 +203,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
         if OWN_BY_SENDER:
             own_end = own_next
         self_row0 = tl.load(prefix_ptr + rank)
-        start = globaltimer()
+        start = clock_ns()
         while ((remaining > 0) | (own_next < own_end)) & (failed == 0):
             open_ = peers & (taken < count)
             tails = tl.atomic_add(tail_ptrs, 0, mask=open_, sem="acquire", scope="sys")
@@ -228,7 +228,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                 taken += avail
                 publish(head_ptrs, recvd0 + taken, peers)
                 remaining = tl.sum(count - taken)
-                start = globaltimer()
+                start = clock_ns()
             elif own_next < own_end:
                 for first_token in range(own_next, tl.minimum(own_next + OWN_STEP * ROWS, own_end), ROWS):
                     tokens = first_token + to
@@ -242,8 +242,8 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                                    out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
                                    experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
                 own_next = tl.minimum(own_next + OWN_STEP * ROWS, own_end)
-                start = globaltimer()
-            elif globaltimer() - start > timeout_ns:
+                start = clock_ns()
+            elif clock_ns() - start > timeout_ns:
                 report_timeout(status_ptr, WAIT_ROWS, tl.min(tl.where(open_, ro, NO_PEER)))
                 failed = remaining > 0
         tl.store(ctrl + recvd_word + ro * CMAX + q, recvd0 + count, mask=peers)

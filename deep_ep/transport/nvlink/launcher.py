@@ -28,7 +28,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import triton
 
-ENABLED = os.environ.get("DEEP_EP_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") == "0"
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+ENABLED = os.environ.get("DEEP_EP_FAST_LAUNCH", "1") != "0" and not INTERPRETED
 _PLAIN = (bool, float, type(None))   # runtime arguments keyed by their type alone (as Triton does)
 
 
@@ -65,6 +66,14 @@ class Pointer:
 
     def data_ptr(self) -> int:
         return self.address
+
+    def as_tensor(self) -> torch.Tensor:
+        """The memory from the address to the end of the tensor's storage, as a flat tensor of `dtype`."""
+        storage = self.tensor.untyped_storage()
+        size = torch.empty((), dtype=self.dtype).element_size()
+        start = self.address - storage.data_ptr()
+        return torch.empty(0, dtype=self.dtype, device=self.tensor.device).set_(
+            storage, start // size, ((storage.nbytes() - start) // size,))
 
 
 _signatures: Dict[int, Optional[_Signature]] = {}   # id(fn) -> its signature, None for kernels not cached
@@ -123,6 +132,9 @@ def _launch(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[
     signature = _signature(fn) if ENABLED and not _hooks_set() else None
     values, options = _bind(signature, args, kwargs) if signature is not None else ((), {})
     if signature is None or any(value is _MISSING for value in values):
+        if INTERPRETED:   # (Triton's interpreter takes tensors, not raw pointers)
+            args = tuple(a.as_tensor() if isinstance(a, Pointer) else a for a in args)
+            kwargs = {k: v.as_tensor() if isinstance(v, Pointer) else v for k, v in kwargs.items()}
         fn[grid](*args, **kwargs)   # (missing values: Triton's path fills in defaults or says what is wrong)
         return None
     device = torch.cuda.current_device()

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from .intrinsics import to_bf16
 from .sync import begin_send, claim_arrival, finish_receive, report_bad_ids, row_pointers, wait_for_senders
 
 WAIT_LL_COMBINE = tl.constexpr(5)
@@ -103,7 +104,7 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, e
         values = tl.load(x_ptr + (expert.to(tl.int64) * x_expert_stride + row.to(tl.int64) * x_row_stride)[:, None]
                          + ho[None, :], mask=live[:, None] & (ho[None, :] < H), other=0.0)
         if LOGFMT:
-            values = _logfmt_roundtrip(values, H, ROWS, BLOCK_H).to(tl.bfloat16)
+            values = to_bf16(_logfmt_roundtrip(values, H, ROWS, BLOCK_H))
         base = tl.load(bases_ptr + source, mask=live, other=0)
         dest = base + rows_offset + (route - source * (num_max_tokens * K)).to(tl.int64) * (2 * H)
         tl.store(row_pointers(dest, ho, tl.bfloat16, BLOCK_H), values, mask=live[:, None] & (ho[None, :] < H))
@@ -130,8 +131,8 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
         for item in range(pid * per_program, tl.minimum((pid + 1) * per_program, num_tokens * CHUNKS)):
             t = item // CHUNKS
             ho = (item - t * CHUNKS) * CHUNK + co
-            ids = tl.load(idx_ptr + t.to(tl.int64) * K + ko, mask=ko < K, other=-1)
-            weights = tl.load(weights_ptr + t.to(tl.int64) * K + ko, mask=ko < K, other=0.0)
+            ids = tl.load(idx_ptr + tl.cast(t, tl.int64) * K + ko, mask=ko < K, other=-1)
+            weights = tl.load(weights_ptr + tl.cast(t, tl.int64) * K + ko, mask=ko < K, other=0.0)
             report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
             valid = (ids >= 0) & (ids < num_experts)
             if HAS_MASK:
@@ -145,11 +146,11 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
                 w = tl.sum(tl.where(valid & (ko == k), weights, 0.0))
                 # loaded whether or not the slot is used (an unused slot's stale bits are dropped below), so the
                 # load need not wait for the ids (unless it may come from x)
-                row = rows_ptr + (t.to(tl.int64) * K + k) * H
+                row = rows_ptr + (tl.cast(t, tl.int64) * K + k) * H
                 if OWN_FROM_X:   # an own selection's row is in x, where OWN (after the route entries) says
                     RN = R * num_max_tokens
                     own_k = tl.sum((own & (ko == k)).to(tl.int32)) > 0
-                    place = tl.load(route_ptr + experts_per_rank * RN + t.to(tl.int64) * K + k, mask=own_k, other=-1)
+                    place = tl.load(route_ptr + experts_per_rank * RN + tl.cast(t, tl.int64) * K + k, mask=own_k, other=-1)
                     own_k = own_k & (place >= 0) & (place < experts_per_rank * RN)   # never read outside x
                     expert = place // RN
                     # (a scalar pointer from scalar offsets: the row loads keep their 16-byte accesses)
@@ -157,7 +158,7 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
                                    + (place - expert * RN).to(tl.int64) * x_row_stride, row)
                 values = tl.load(row + ho, mask=ho < H, other=0.0)
                 acc = acc + tl.where(use, w * values.to(tl.float32), 0.0)
-            tl.store(out_ptr + t.to(tl.int64) * H + ho, acc.to(tl.bfloat16), mask=ho < H)
+            tl.store(out_ptr + tl.cast(t, tl.int64) * H + ho, to_bf16(acc), mask=ho < H)
     finish_receive(finished_ptr, received_ptr, received)
 
 

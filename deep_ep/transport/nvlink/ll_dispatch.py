@@ -26,8 +26,8 @@ timed-out receive leaves empty outputs; a timed-out sender claims no arrival).
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
 
+from .intrinsics import popcount
 from .sync import begin_send, claim_arrival, finish_receive, report_bad_ids, row_pointer, wait_for_senders
 
 FP8_MAX = tl.constexpr(448.0)
@@ -77,7 +77,7 @@ def _send(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num
     so = tl.arange(0, BLOCK_G)
     rank_open, free = begin_send(bases_ptr, mask_ptr, rank, received_offset, ro, timeout_ns, status_ptr, R, HAS_MASK)
     for t in range(pid, tl.where(free, num_tokens, 0), num_senders):
-        ids = tl.load(idx_ptr + t.to(tl.int64) * K + ko, mask=ko < K, other=-1)
+        ids = tl.load(idx_ptr + tl.cast(t, tl.int64) * K + ko, mask=ko < K, other=-1)
         in_range = (ids >= 0) & (ids < num_experts)
         report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
         owner = tl.where(in_range, ids // experts_per_rank, 0)
@@ -91,7 +91,7 @@ def _send(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num
         same_rank = (owner[:, None] == owner[None, :]) & valid[:, None] & valid[None, :]
         first_of_rank = valid & (tl.sum((same_rank & earlier).to(tl.int32), axis=1) == 0)
         slot_bits = tl.sum(tl.where(same, 1 << ko[None, :], 0), axis=1)
-        row = tl.load(x_ptr + t.to(tl.int64) * H + ho, mask=ho < H, other=0.0)
+        row = tl.load(x_ptr + tl.cast(t, tl.int64) * H + ho, mask=ho < H, other=0.0)
         if FP8:
             data, scale_words = _quantize(row, H, ROUND, UE8M0, BLOCK_H)
         # where each distinct expert's bits and each distinct rank's row go, for all slots at once (no
@@ -137,16 +137,16 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
         so = tl.arange(0, BLOCK_S)
         bo = tl.arange(0, 32)
         for e in range(pid, experts_per_rank, tl.num_programs(0)):
-            table = masks_ptr + e.to(tl.int64) * RN
+            table = masks_ptr + tl.cast(e, tl.int64) * RN
             bits = tl.load(table + jo, mask=in_table, other=0)
-            rows_of = libdevice.popc(bits)
+            rows_of = popcount(bits)
             ends = tl.cumsum(rows_of, axis=0)                # rows up to and including entry j
             total = tl.sum(rows_of)
             per_source = tl.sum(tl.where(source_of[None, :] == ro[:, None], rows_of[None, :], 0), axis=1)
             begins = tl.cumsum(per_source, axis=0) - per_source
             tl.store(layout_ptr + e * R + ro, (begins.to(tl.int64) << 32) | per_source.to(tl.int64), mask=ro < R)
             tl.store(count_ptr + e, total)
-            out_base = e.to(tl.int64) * RN
+            out_base = tl.cast(e, tl.int64) * RN
             for p0 in range(0, total, ROWS):
                 p = p0 + po
                 live = p < total
@@ -165,7 +165,7 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
                 if SW > 0:   # scales are column-major: [E_loc, SW, R * N]
                     scales = tl.load(slots_ptr + slot[:, None] + XW + so[None, :],
                                      mask=live[:, None] & (so[None, :] < SW))
-                    tl.store(out_scales_ptr + e.to(tl.int64) * SW * RN + so[None, :] * RN + p[:, None], scales,
+                    tl.store(out_scales_ptr + tl.cast(e, tl.int64) * SW * RN + so[None, :] * RN + p[:, None], scales,
                              mask=live[:, None] & (so[None, :] < SW))
                 tl.store(src_info_ptr + out_base + p, token, mask=live)
                 tl.store(route_ptr + out_base + p, source * (num_max_tokens * K) + token * K + k, mask=live)

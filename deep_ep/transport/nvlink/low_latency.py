@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -106,26 +106,34 @@ class NVLinkLowLatency:
     """Low-latency calls of one rank: the peer-mapped area, the per-half receive counts and the routes that
     let a combine return every row to its (token, slot)."""
 
-    def __init__(self, group: Group, topology: Topology, device: torch.device, num_bytes: int,
-                 status: torch.Tensor, timeout_ns: int) -> None:
-        from .peer_memory import PeerBuffers
-        self.topology, self.device, self.status, self.timeout_ns = topology, device, status, timeout_ns
-        self.area = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
-        torch.cuda.synchronize(device)
-        self.peers = PeerBuffers(self.area, group)
-        self.finished = torch.zeros(2, dtype=torch.int64, device=device)   # programs done with a half's receive
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    def __init__(self, topology: Topology, area: torch.Tensor, peers: Any, status: torch.Tensor,
+                 timeout_ns: int, num_sms: int) -> None:
+        """`area`: this rank's zeroed low-latency area; `peers.bases`: every rank's area as mapped here (an
+        int64 tensor on the area's device), `peers.close()` unmaps them. Use `open_on_group` on GPUs."""
+        self.topology, self.device, self.status, self.timeout_ns = topology, area.device, status, timeout_ns
+        self.area, self.peers, self.num_sms = area, peers, num_sms
+        self.finished = torch.zeros(2, dtype=torch.int64, device=area.device)   # programs done with a receive
         # send and receive in one kernel when there is no hook: its programs wait for each other, so they are
         # launched as a cooperative grid (all of them run at once, or the launch waits), which needs one
         # program per SM and a Triton that can ask for it
         self.can_fuse = (NUM_SENDERS <= self.num_sms and os.environ.get("DEEP_EP_LL_FUSED", "1") != "0"
-                         and _cooperative_launch_supported())
+                         and area.is_cuda and _cooperative_launch_supported())
         self._routes: Dict[int, Tuple[torch.Tensor, int]] = {}   # id(src_info) -> (route, top-k)
         self._plans: Dict[tuple, dict] = {}   # launch arguments per call shape (_dispatch_plan, _combine_plan)
         # stand-ins for optional pointer arguments (never read)
-        self._no_words = torch.zeros(4, dtype=torch.int32, device=device)
-        self._no_longs = torch.zeros(4, dtype=torch.int64, device=device)
-        self._no_rows = torch.zeros(8, dtype=torch.bfloat16, device=device)
+        self._no_words = torch.zeros(4, dtype=torch.int32, device=area.device)
+        self._no_longs = torch.zeros(4, dtype=torch.int64, device=area.device)
+        self._no_rows = torch.zeros(8, dtype=torch.bfloat16, device=area.device)
+
+    @classmethod
+    def open_on_group(cls, group: Group, topology: Topology, device: torch.device, num_bytes: int,
+                      status: torch.Tensor, timeout_ns: int) -> "NVLinkLowLatency":
+        """A rank's low-latency path with its area mapped into every rank of `group` (CUDA IPC; collective)."""
+        from .peer_memory import PeerBuffers
+        area = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)
+        return cls(topology, area, PeerBuffers(area, group), status, timeout_ns,
+                   torch.cuda.get_device_properties(device).multi_processor_count)
 
     # ---- views of the local area ---------------------------------------------------------------------------
     def _view(self, offset: int, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -326,7 +334,8 @@ class NVLinkLowLatency:
             self.area[geometry.signal:geometry.signal + 8 * R + 8].zero_()
             self.area[geometry.masks:geometry.masks + geometry.masks_bytes].zero_()
         self.finished.zero_()
-        torch.cuda.synchronize(self.device)
+        if self.area.is_cuda:
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         self.peers.close()

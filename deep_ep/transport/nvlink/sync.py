@@ -10,7 +10,8 @@ timeout at every step.
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer
+
+from .intrinsics import clock_ns
 
 # status codes (status[0]); status[1] holds the peer
 WAIT_NOTIFY = tl.constexpr(1)
@@ -43,18 +44,18 @@ def wait_counters(ptrs, targets, mask, peers, timeout_ns, status_ptr, code):
     """Spin until every counter `ptrs[i]` (where `mask`) is >= `targets[i]`, polling only the lanes still
     behind; returns (ok, waited): waited[i] is the nanoseconds from the start until lane i was seen ready.
     On timeout the first lagging lane's `peers[i]` is reported."""
-    start = globaltimer()
+    start = clock_ns()
     values = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
     lagging = (mask & (values < targets)).to(tl.int32)
-    waited = tl.where(mask, globaltimer() - start, 0)
+    waited = tl.where(mask, clock_ns() - start, 0)
     stale = tl.zeros([], tl.int32)
     # (the clock is read afresh in the condition and the body: a clock value carried through the loop
     # crashes the Triton 3.6 compiler)
-    while (tl.sum(lagging) > 0) & ((globaltimer() - start) < timeout_ns) & (stale == 0):
+    while (tl.sum(lagging) > 0) & ((clock_ns() - start) < timeout_ns) & (stale == 0):
         values = tl.atomic_add(ptrs, 0, mask=lagging > 0, sem="acquire", scope="sys")
-        waited = tl.where(lagging > 0, globaltimer() - start, waited)
+        waited = tl.where(lagging > 0, clock_ns() - start, waited)
         lagging = tl.where(lagging > 0, (values < targets).to(tl.int32), 0)
-        if globaltimer() - start > STALE_NS:   # (status is host memory: not read in a short wait)
+        if clock_ns() - start > STALE_NS:   # (status is host memory: not read in a short wait)
             stale = tl.load(status_ptr, volatile=True)
     ok = tl.sum(lagging) == 0
     if not ok:

@@ -1,0 +1,95 @@
+"""The NVLink low-latency kernels under Triton's CPU interpreter (run by test_nvlink_interpreted.py with
+TRITON_INTERPRET=1 set): R ranks in one process, each with its own area on the CPU and every area's address
+in the peer table, as CUDA IPC maps them on GPUs. Every rank's send kernel runs before any receive kernel
+(the interpreter runs one program after another, so a receive cannot wait for a send still to come); the
+outputs are compared with the independent model, bit for bit. Prints "ok", or the mismatches."""
+import sys
+from types import SimpleNamespace
+from typing import List
+
+import torch
+
+import model_low_latency as M
+from deep_ep.config import low_latency_size_hint
+from deep_ep.group import Topology
+from deep_ep.transport.base import LowLatencyOptions
+from deep_ep.transport.nvlink.low_latency import NVLinkLowLatency
+
+
+def make_ranks(R: int, N: int, H: int, E: int) -> List[NVLinkLowLatency]:
+    areas = [torch.zeros(low_latency_size_hint(N, H, R, E), dtype=torch.uint8) for _ in range(R)]
+    peers = SimpleNamespace(bases=torch.tensor([a.data_ptr() for a in areas], dtype=torch.int64), close=lambda: None)
+    return [NVLinkLowLatency(Topology(r, R, R), areas[r], peers, torch.zeros(4, dtype=torch.int32), 10 ** 10, 1)
+            for r in range(R)]
+
+
+def make_sources(gen: torch.Generator, R: int, N: int, H: int, K: int, E: int) -> List[M.Source]:
+    sources = []
+    for r in range(R):
+        T = [N, 1, 0, N - 3][r % 4]   # a full rank, a single token, an empty rank, an uneven one
+        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+        idx[torch.rand(T, K, generator=gen) < 0.2] = -1
+        x = (torch.randn(T, H, generator=gen) * 2.0 ** torch.randint(-8, 8, (T, 1), generator=gen)).to(torch.bfloat16)
+        sources.append(M.Source(x, idx, torch.rand(T, K, generator=gen)))
+    return sources
+
+
+def check(errors: List[str], what: str, got: torch.Tensor, expected: torch.Tensor) -> None:
+    if got.shape != expected.shape or not torch.equal(got.view(torch.uint8) if got.dtype == torch.bfloat16 else got,
+                                                      expected.view(torch.uint8)
+                                                      if expected.dtype == torch.bfloat16 else expected):
+        errors.append(f"{what}: got {got.flatten()[:8].tolist()}..., expected {expected.flatten()[:8].tolist()}...")
+
+
+def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int) -> List[str]:
+    errors: List[str] = []
+    gen = torch.Generator().manual_seed(1000 * R + K)
+    ranks = make_ranks(R, N, H, E)
+    e_loc = E // R
+    options = LowLatencyOptions(use_fp8=False, round_scale=False, use_ue8m0=False)
+    for i in range(rounds):
+        sources = make_sources(gen, R, N, H, K, E)
+        # in the last round rank `masked` is cut off: the others mask it, it masks everyone (as after a failure)
+        cut = masked >= 0 and i == rounds - 1
+        masks = [[int(g == masked or r == masked) for g in range(R)] for r in range(R)] if cut else None
+        mask_tensors = [torch.tensor(m, dtype=torch.int32) for m in masks] if cut else [None] * R
+        hook = i % 2 == 0   # with a hook the combine sends every row; without, the own rows stay in x
+        steps, outs = [], []
+        for r, src in enumerate(sources):
+            out, step = ranks[r].dispatch(src.x, src.topk_idx, N, E, options, mask_tensors[r], None, 0, True)
+            outs.append(out)
+            steps.append(step)
+        for step in steps:
+            step()
+        regions = [M.dispatch_region(sources, g, E, masks) for g in range(R)]
+        for g, (out, reg) in enumerate(zip(outs, regions)):
+            name = f"R={R} K={K} round {i} rank {g}"
+            check(errors, f"{name} recv_count", out.recv_count, reg.count)
+            live = reg.block_count > 0
+            check(errors, f"{name} layout_range counts", out.layout_range & 0xFFFFFFFF, reg.block_count)
+            check(errors, f"{name} layout_range begins", (out.layout_range >> 32)[live], reg.block_begin[live])
+            check(errors, f"{name} rows", out.recv_x[reg.expert, reg.row], reg.payload_bf16(sources))
+            check(errors, f"{name} src_info", out.src_info[reg.expert, reg.row], reg.src_info)
+            past = torch.arange(R * N)[None, :] >= reg.count[:, None]
+            check(errors, f"{name} src_info past the count", out.src_info[past], torch.full((int(past.sum()),), -1,
+                                                                                           dtype=torch.int32))
+        rows = M.selection_rows(sources, regions)
+        expert_outputs = [torch.randn(e_loc, R * N, H, generator=gen).to(torch.bfloat16) for _ in range(R)]
+        combined = [torch.full((src.x.shape[0], H), float("nan"), dtype=torch.bfloat16) for src in sources]
+        steps = [ranks[r].combine(expert_outputs[r], src.topk_idx, src.topk_weights, outs[r].src_info,
+                                  outs[r].layout_range, N, False, mask_tensors[r], combined[r], None, 1, hook)
+                 for r, src in enumerate(sources)]
+        for step in steps:
+            step()
+        for s, src in enumerate(sources):
+            expected = M.combine(s, src.topk_idx, src.topk_weights, rows[s], expert_outputs, e_loc, masks)
+            check(errors, f"R={R} K={K} round {i} rank {s} combine (hook={hook})", combined[s], expected)
+    return errors
+
+
+if __name__ == "__main__":
+    failures: List[str] = []
+    for R, K, masked in ((2, 3, -1), (3, 4, 2), (4, 8, 1)):
+        failures += run(R, N=8, H=256, K=K, E=4 * R, rounds=3, masked=masked)
+    print("ok" if not failures else "\n".join(failures[:20]), flush=True)
+    sys.exit(1 if failures else 0)

@@ -1,0 +1,24 @@
+"""The NVLink low-latency kernels on CPU tensors, under Triton's interpreter (no GPU needed): several ranks in
+one process, their areas mapped to each other by address, results bit for bit against the independent model
+(tests/interpreted_low_latency.py). The interpreter runs every program in turn and has its own float casts,
+so this checks the kernels' logic (protocol counters, masks, tables, routes, row order, the combine's sum),
+not their memory ordering or speed; FP8 casts are left to the GPU tests (the interpreter rounds them its own
+way)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def test_low_latency_kernels_match_the_model_under_the_interpreter():
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(tests / "interpreted_low_latency.py")], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), \
+        (done.stdout[-3000:] + done.stderr[-3000:])
