@@ -14,8 +14,9 @@ Send (NUM_SENDERS programs over blocks of received rows, all local experts laid 
 Without a hook and without LogFMT (OWN_FROM_X) the send skips the rows of this rank's own tokens, and the
   receive reads them from x itself, where the dispatch's OWN table (after its route entries) says they are:
   the receive runs right after the send, so x is still what the caller passed (with a hook the caller may
-  change x before calling it). OWN entries that the dispatch did not write (a timed-out receive) are
-  undefined; they are only bounded to x.
+  change x before calling it). The dispatch defines every entry of its tokens (-1: not kept here), so the
+  receive reads OWN without waiting for the ids; entries a timed-out dispatch receive did not write are
+  undefined and only bounded to x.
 Receive (programs over (token, chunk of CHUNK channels) items): wait until ARRIVED[r] >= NUM_SENDERS *
   (RECEIVED + 1) for every unmasked rank r; load the chunk of every one of the token's K rows (used or
   not, so the loads need not wait for the ids; an unused slot's stale values are dropped), then
@@ -114,7 +115,7 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, e
 
 @triton.jit
 def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
-             status_ptr, x_ptr, route_ptr, rank, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
+             status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns,
              H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
              CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr):
@@ -138,20 +139,17 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
             if HAS_MASK:
                 valid = valid & (tl.load(mask_ptr + tl.where(valid, ids // experts_per_rank, 0), mask=valid,
                                          other=1) == 0)
-            if OWN_FROM_X:
-                own = valid & (ids // experts_per_rank == rank)
             acc = tl.zeros([CHUNK], tl.float32)
             for k in tl.static_range(K):   # no branch: the K loads can all be in flight at once
                 use = tl.sum((valid & (ko == k)).to(tl.int32)) > 0
                 w = tl.sum(tl.where(valid & (ko == k), weights, 0.0))
                 # loaded whether or not the slot is used (an unused slot's stale bits are dropped below), so the
-                # load need not wait for the ids (unless it may come from x)
+                # load need not wait for the ids
                 row = rows_ptr + (tl.cast(t, tl.int64) * K + k) * H
                 if OWN_FROM_X:   # an own selection's row is in x, where OWN (after the route entries) says
                     RN = R * num_max_tokens
-                    own_k = tl.sum((own & (ko == k)).to(tl.int32)) > 0
-                    place = tl.load(route_ptr + experts_per_rank * RN + tl.cast(t, tl.int64) * K + k, mask=own_k, other=-1)
-                    own_k = own_k & (place >= 0) & (place < experts_per_rank * RN)   # never read outside x
+                    place = tl.load(route_ptr + experts_per_rank * RN + tl.cast(t, tl.int64) * K + k)
+                    own_k = (place >= 0) & (place < experts_per_rank * RN)   # never read outside x
                     expert = place // RN
                     # (a scalar pointer from scalar offsets: the row loads keep their 16-byte accesses)
                     row = tl.where(own_k, x_ptr + expert.to(tl.int64) * x_expert_stride
@@ -177,13 +175,13 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, st
 
 @triton.jit
 def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr,
-                           stats_ptr, status_ptr, x_ptr, route_ptr, rank, num_max_tokens, x_expert_stride,
+                           stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride,
                            x_row_stride, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
                            HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr):
     _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
-             status_ptr, x_ptr, route_ptr, rank, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
+             status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, HAS_STATS, CHUNK, BLOCK_K,
              BLOCK_R, OWN_FROM_X)
 
@@ -203,6 +201,6 @@ def ll_combine_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_
           x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns, H, K, R, HAS_MASK,
           LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
     _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
-             status_ptr, x_ptr, route_ptr, rank, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
+             status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, HAS_STATS, CHUNK, BLOCK_K,
              BLOCK_R, OWN_FROM_X)

@@ -12,8 +12,10 @@ Send (NUM_SENDERS programs; token t by program t mod NUM_SENDERS): wait until RE
   the same way). Load the row, cast it to e4m3 once if asked, then store it once into SLOTS[me][t] of every
   unmasked rank d that holds one of the token's valid experts (not once per expert: a rank with several of
   the token's experts gets one copy), and for every distinct such expert e the token's slot bits into
-  MASKS[e][me][t] of rank d. Finally every program adds 1 to ARRIVED[me] of every unmasked rank (release,
-  after a barrier over the program's stores).
+  MASKS[e][me][t] of rank d. It also writes OWN[t * K + k] = -1 (see the receive) for every slot k that no
+  local expert keeps, so that the combine's receive finds every slot's entry defined without reading the ids.
+  Finally every program adds 1 to ARRIVED[me] of every unmasked rank (release, after a barrier over the
+  program's stores).
 Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (RECEIVED + 1) for every
   unmasked source s (counters only grow; a half serves dispatches and combines alike). Expand MASKS[e] in
   the order (source, token, slot), the reference order, into output rows: row p of expert e copies
@@ -64,8 +66,8 @@ def _quantize(row, H: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, BL
 
 
 @triton.jit
-def _send(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts, experts_per_rank,
-          num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
+def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
+          experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
           UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr,
           BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
@@ -91,6 +93,9 @@ def _send(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num
         same_rank = (owner[:, None] == owner[None, :]) & valid[:, None] & valid[None, :]
         first_of_rank = valid & (tl.sum((same_rank & earlier).to(tl.int32), axis=1) == 0)
         slot_bits = tl.sum(tl.where(same, 1 << ko[None, :], 0), axis=1)
+        own_table = route_ptr + experts_per_rank * R * num_max_tokens   # (this rank's receive fills the others)
+        tl.store(own_table + tl.cast(t, tl.int64) * K + ko, tl.full([BLOCK_K], -1, tl.int32),
+                 mask=(ko < K) & ~(valid & (owner == rank)))
         row = tl.load(x_ptr + tl.cast(t, tl.int64) * H + ho, mask=ho < H, other=0.0)
         if FP8:
             data, scale_words = _quantize(row, H, ROUND, UE8M0, BLOCK_H)
@@ -188,16 +193,16 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
 
 
 @triton.jit
-def ll_dispatch_send_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
-                            experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset,
+def ll_dispatch_send_kernel(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank,
+                            num_experts, experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset,
                             received_offset, timeout_ns,
                             H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
                             ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
                             SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
-    _send(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts, experts_per_rank,
-          num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns, H, K, R, FP8,
-          ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
+    _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
+          experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
+          H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
 
 
 @triton.jit
@@ -229,9 +234,9 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_toke
     """Send, then receive, in one launch of NUM_SENDERS programs (every program sends, then waits for every
     source and copies its share of the local experts). The grid fits on the GPU at once, so a program that
     waits never keeps one that has yet to send from starting."""
-    _send(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts, experts_per_rank,
-          num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns, H, K, R, FP8,
-          ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
+    _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
+          experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
+          H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
     _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, HAS_STATS, BLOCK_RN, BLOCK_R,

@@ -51,11 +51,14 @@ RECV_SMALL_TILE = 8192
 # but receives with NUM_SENDERS programs of NUM_WARPS warps (one H200, one rank, graph replays of dispatch +
 # combine, us, fused / two kernels: 1 token 26.8-28.4 / 28.2, 8: 29.9-31.8 / 29.2, 16: 30.2-32.0 / 29.5)
 FUSED_MAX_TOKENS = int(os.environ.get("DEEP_EP_LL_FUSED_MAX_TOKENS", "4"))
+# without a hook, the combine's receive reads this rank's own rows from the expert output instead of their being
+# sent to itself ("0": every row is sent, as with a hook)
+OWN_FROM_X = os.environ.get("DEEP_EP_LL_OWN_FROM_X", "1") != "0"
 
 
 # the arguments of a call that change from call to call, in the order the Relaunches take them (the fused
 # kernels take the send's, then the receive's, with the mask once)
-_DISPATCH_INPUTS = ("x_ptr", "idx_ptr", "num_tokens", "mask_ptr")
+_DISPATCH_INPUTS = ("x_ptr", "idx_ptr", "num_tokens", "mask_ptr")   # (the send also takes route_ptr)
 _DISPATCH_OUTPUTS = ("mask_ptr", "stats_ptr", "out_x_ptr", "out_scales_ptr", "src_info_ptr", "route_ptr", "layout_ptr",
                      "count_ptr")
 _COMBINE_INPUTS = ("x_ptr", "layout_ptr", "route_ptr", "mask_ptr")
@@ -63,7 +66,7 @@ _COMBINE_OUTPUTS = ("mask_ptr", "idx_ptr", "weights_ptr", "out_ptr", "num_tokens
 # arguments the receive kernels take from the send kernels' argument sets
 _DISPATCH_SHARED = ("status_ptr", "rank", "experts_per_rank", "num_max_tokens", "timeout_ns", "K", "R",
                     "XW", "SW", "SLOT_W", "HAS_MASK", "BLOCK_R")
-_COMBINE_SHARED = ("status_ptr", "experts_per_rank", "timeout_ns", "H", "K", "R", "HAS_MASK", "BLOCK_R", "rank",
+_COMBINE_SHARED = ("status_ptr", "experts_per_rank", "timeout_ns", "H", "K", "R", "HAS_MASK", "BLOCK_R",
                    "num_max_tokens", "x_expert_stride", "x_row_stride", "OWN_FROM_X")
 
 
@@ -188,7 +191,8 @@ class NVLinkLowLatency:
         receive = dict(receive_only, **_pick(send, _DISPATCH_SHARED))
         small = slots <= RECV_SMALL_TABLE and RECV_ROWS * _next_pow2(payload_words) <= RECV_SMALL_TILE
         return dict(
-            send=Relaunch(ll_dispatch_send_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS, **send, num_warps=NUM_WARPS),
+            send=Relaunch(ll_dispatch_send_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + ("route_ptr",), **send,
+                          num_warps=NUM_WARPS),
             receive=Relaunch(ll_dispatch_recv_kernel,
                              (max(1, min(experts_per_rank, RECV_PROGRAMS_PER_SM * self.num_sms)),),
                              _DISPATCH_OUTPUTS, **receive, num_warps=RECV_WARPS if small else NUM_WARPS),
@@ -231,7 +235,7 @@ class NVLinkLowLatency:
         if not hook and plan["fused"] is not None and num_tokens <= FUSED_MAX_TOKENS:
             plan["fused"](x, topk_idx, num_tokens, *outputs)
             return output, _nothing
-        plan["send"](x, topk_idx, num_tokens, mask)
+        plan["send"](x, topk_idx, num_tokens, mask, route)
         receive = plan["receive"]
 
         def receive_step() -> None:   # (keeps only the receive's arguments alive)
@@ -266,7 +270,7 @@ class NVLinkLowLatency:
         strides = x.stride()
         # without a hook the receive runs right after the send, so it can read this rank's own rows from x (with a
         # hook the caller may change x before calling it; LogFMT rounds rows in the send)
-        own_from_x = not hook and not use_logfmt
+        own_from_x = OWN_FROM_X and not hook and not use_logfmt
         key = ("combine", num_max_tokens, hidden, experts_per_rank, topk, use_logfmt, mask is not None,
                wait_stats is not None, half, strides, own_from_x)
         plan = self._plans.get(key)
