@@ -409,6 +409,7 @@ class Buffer:
         self._require_low_latency("clean_low_latency_buffer")
         self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._slots.reset("clean_low_latency_buffer")   # (refused here, before any collective, if a hook runs)
+        self._receive_streams = [None, None]   # (the clean waits for the GPU: nothing earlier is left to order)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # nothing of this rank in flight once the barrier passes
         self._group.barrier("clean_low_latency_buffer")

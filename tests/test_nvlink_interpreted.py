@@ -11,9 +11,15 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 
+def _version(text: str):
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+
+# (Triton 3.6's interpreter hands loop bounds over as arrays, which recent numpy will not turn into ints)
+@pytest.mark.skipif(_version(triton.__version__) < (3, 7), reason="needs Triton >= 3.7's interpreter")
 def test_low_latency_kernels_match_the_model_under_the_interpreter():
     tests = Path(__file__).resolve().parent
     env = dict(os.environ, TRITON_INTERPRET="1",

@@ -37,7 +37,7 @@ _SELECT_AS = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8, 
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`t.index_select(0, index)` for any dtype (float8 and 16-bit float rows are moved as integers)."""
     as_int = _SELECT_AS.get(t.dtype)
-    if as_int is not None:
+    if as_int is not None and not t.requires_grad:
         return t.view(as_int).index_select(0, index).view(t.dtype)
     return t.index_select(0, index)
 

@@ -1,14 +1,13 @@
 """The GPU intrinsics the kernels use, and stand-ins for Triton's CPU interpreter (TRITON_INTERPRET=1), which
 runs kernels without inline PTX or libdevice. Under the interpreter the low-latency kernels run on CPU tensors
 (each program in turn, one launch after another), so tests check their logic on machines without a GPU."""
-import os
 import time
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer, libdevice
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .launcher import INTERPRETED
 
 if INTERPRETED:
     @triton.jit

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import triton
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")   # (as Triton reads it)
 ENABLED = os.environ.get("DEEP_EP_FAST_LAUNCH", "1") != "0" and not INTERPRETED
 _PLAIN = (bool, float, type(None))   # runtime arguments keyed by their type alone (as Triton does)
 

@@ -49,13 +49,16 @@ def wait_counters(ptrs, targets, mask, peers, timeout_ns, status_ptr, code):
     lagging = (mask & (values < targets)).to(tl.int32)
     waited = tl.where(mask, clock_ns() - start, 0)
     stale = tl.zeros([], tl.int32)
+    polls = tl.zeros([], tl.int32)
     # (the clock is read afresh in the condition and the body: a clock value carried through the loop
     # crashes the Triton 3.6 compiler)
     while (tl.sum(lagging) > 0) & ((clock_ns() - start) < timeout_ns) & (stale == 0):
         values = tl.atomic_add(ptrs, 0, mask=lagging > 0, sem="acquire", scope="sys")
         waited = tl.where(lagging > 0, clock_ns() - start, waited)
         lagging = tl.where(lagging > 0, (values < targets).to(tl.int32), 0)
-        if clock_ns() - start > STALE_NS:   # (status is host memory: not read in a short wait)
+        polls += 1
+        # (status is host memory: read only in a long wait, and then every 256th poll)
+        if ((polls & 255) == 0) & (clock_ns() - start > STALE_NS):
             stale = tl.load(status_ptr, volatile=True)
     ok = tl.sum(lagging) == 0
     if not ok:
