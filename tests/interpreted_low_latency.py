@@ -41,7 +41,9 @@ def check(errors: List[str], what: str, got: torch.Tensor, expected: torch.Tenso
         errors.append(f"{what}: got {got.flatten()[:8].tolist()}..., expected {expected.flatten()[:8].tolist()}...")
 
 
-def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int) -> List[str]:
+def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent: bool = False) -> List[str]:
+    """`rounds` dispatch + combine rounds. Rank `masked` (if >= 0) is cut off in the last round: the others
+    mask it, it masks everyone (as after a failure); with `absent` it makes no call at all in any round."""
     errors: List[str] = []
     gen = torch.Generator().manual_seed(1000 * R + K)
     ranks = make_ranks(R, N, H, E)
@@ -49,20 +51,21 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int) -> Lis
     options = LowLatencyOptions(use_fp8=False, round_scale=False, use_ue8m0=False)
     for i in range(rounds):
         sources = make_sources(gen, R, N, H, K, E)
-        # in the last round rank `masked` is cut off: the others mask it, it masks everyone (as after a failure)
-        cut = masked >= 0 and i == rounds - 1
+        cut = masked >= 0 and (absent or i == rounds - 1)
         masks = [[int(g == masked or r == masked) for g in range(R)] for r in range(R)] if cut else None
         mask_tensors = [torch.tensor(m, dtype=torch.int32) for m in masks] if cut else [None] * R
+        calling = [r for r in range(R) if not (absent and r == masked)]
         hook = i % 2 == 0   # with a hook the combine sends every row; without, the own rows stay in x
-        steps, outs = [], []
-        for r, src in enumerate(sources):
-            out, step = ranks[r].dispatch(src.x, src.topk_idx, N, E, options, mask_tensors[r], None, 0, True)
-            outs.append(out)
+        steps, outs = [], {}
+        for r in calling:
+            outs[r], step = ranks[r].dispatch(sources[r].x, sources[r].topk_idx, N, E, options, mask_tensors[r], None,
+                                              0, True)
             steps.append(step)
         for step in steps:
             step()
         regions = [M.dispatch_region(sources, g, E, masks) for g in range(R)]
-        for g, (out, reg) in enumerate(zip(outs, regions)):
+        for g in calling:
+            out, reg = outs[g], regions[g]
             name = f"R={R} K={K} round {i} rank {g}"
             check(errors, f"{name} recv_count", out.recv_count, reg.count)
             live = reg.block_count > 0
@@ -76,12 +79,13 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int) -> Lis
         rows = M.selection_rows(sources, regions)
         expert_outputs = [torch.randn(e_loc, R * N, H, generator=gen).to(torch.bfloat16) for _ in range(R)]
         combined = [torch.full((src.x.shape[0], H), float("nan"), dtype=torch.bfloat16) for src in sources]
-        steps = [ranks[r].combine(expert_outputs[r], src.topk_idx, src.topk_weights, outs[r].src_info,
+        steps = [ranks[r].combine(expert_outputs[r], sources[r].topk_idx, sources[r].topk_weights, outs[r].src_info,
                                   outs[r].layout_range, N, False, mask_tensors[r], combined[r], None, 1, hook)
-                 for r, src in enumerate(sources)]
+                 for r in calling]
         for step in steps:
             step()
-        for s, src in enumerate(sources):
+        for s in calling:
+            src = sources[s]
             expected = M.combine(s, src.topk_idx, src.topk_weights, rows[s], expert_outputs, e_loc, masks)
             check(errors, f"R={R} K={K} round {i} rank {s} combine (hook={hook})", combined[s], expected)
     return errors
@@ -91,5 +95,6 @@ if __name__ == "__main__":
     failures: List[str] = []
     for R, K, masked in ((2, 3, -1), (3, 4, 2), (4, 8, 1)):
         failures += run(R, N=8, H=256, K=K, E=4 * R, rounds=3, masked=masked)
+    failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True)   # a rank that never calls
     print("ok" if not failures else "\n".join(failures[:20]), flush=True)
     sys.exit(1 if failures else 0)
