@@ -48,8 +48,8 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent
     gen = torch.Generator().manual_seed(1000 * R + K)
     ranks = make_ranks(R, N, H, E)
     e_loc = E // R
-    options = LowLatencyOptions(use_fp8=False, round_scale=False, use_ue8m0=False)
     for i in range(rounds):
+        options = LowLatencyOptions(use_fp8=i % 3 > 0, round_scale=i % 3 == 2, use_ue8m0=False)
         sources = make_sources(gen, R, N, H, K, E)
         cut = masked >= 0 and (absent or i == rounds - 1)
         masks = [[int(g == masked or r == masked) for g in range(R)] for r in range(R)] if cut else None
@@ -71,7 +71,12 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent
             live = reg.block_count > 0
             check(errors, f"{name} layout_range counts", out.layout_range & 0xFFFFFFFF, reg.block_count)
             check(errors, f"{name} layout_range begins", (out.layout_range >> 32)[live], reg.block_begin[live])
-            check(errors, f"{name} rows", out.recv_x[reg.expert, reg.row], reg.payload_bf16(sources))
+            if options.use_fp8:
+                expected = reg.payload_fp8(sources, options.round_scale)
+                check(errors, f"{name} FP8 rows", out.recv_x[reg.expert, reg.row].view(torch.uint8), expected.data)
+                check(errors, f"{name} FP8 scales", out.recv_scales[reg.expert, reg.row], expected.scale_inv)
+            else:
+                check(errors, f"{name} rows", out.recv_x[reg.expert, reg.row], reg.payload_bf16(sources))
             check(errors, f"{name} src_info", out.src_info[reg.expert, reg.row], reg.src_info)
             past = torch.arange(R * N)[None, :] >= reg.count[:, None]
             check(errors, f"{name} src_info past the count", out.src_info[past], torch.full((int(past.sum()),), -1,

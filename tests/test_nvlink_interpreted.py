@@ -1,9 +1,8 @@
 """The NVLink low-latency kernels on CPU tensors, under Triton's interpreter (no GPU needed): several ranks in
 one process, their areas mapped to each other by address, results bit for bit against the independent model
-(tests/interpreted_low_latency.py). The interpreter runs every program in turn and has its own float casts,
-so this checks the kernels' logic (protocol counters, masks, tables, routes, row order, the combine's sum),
-not their memory ordering or speed; FP8 casts are left to the GPU tests (the interpreter rounds them its own
-way)."""
+(tests/interpreted_low_latency.py). The interpreter runs every program in turn, so this checks the kernels'
+logic (protocol counters, masks, tables, routes, row order, the FP8 cast and scales, the combine's sum), not
+their memory ordering or speed."""
 import os
 import subprocess
 import sys

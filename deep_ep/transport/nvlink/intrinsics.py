@@ -30,6 +30,26 @@ if INTERPRETED:
         bits = x.to(tl.uint32, bitcast=True)
         rounded = bits + 0x7FFF + ((bits >> 16) & 1)
         return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def to_e4m3(x):
+        """float32 (finite, |x| <= 448) -> e4m3, rounded to nearest even (the interpreter's cast rounds its own
+        way): the significand is shifted to the e4m3 quantum at |x|, 2^(max(exponent, -6) - 3)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        magnitude = (bits & 0x7FFFFFFF).to(tl.int64)
+        exponent = magnitude >> 23
+        significand = tl.where(exponent > 0, (magnitude & 0x7FFFFF) | (1 << 23), magnitude & 0x7FFFFF)
+        exponent = tl.maximum(exponent, 1)                      # float32 subnormals: the exponent of 2^-126
+        quantum = tl.maximum(exponent - 127, -6) - 3
+        shift = tl.minimum(tl.maximum(quantum - (exponent - 150), 0), 40)
+        q = significand >> shift
+        dropped = significand - (q << shift)
+        half = (tl.full(shift.shape, 1, tl.int64) << shift) >> 1
+        q += ((dropped > half) | ((dropped == half) & ((q & 1) == 1))).to(tl.int64)
+        code = tl.where(quantum <= -9, q, ((exponent - 120) << 3) + q - 8)
+        code = tl.minimum(tl.where(magnitude == 0, 0, code), 0x7E)
+        sign = ((bits >> 31) & 1).to(tl.int64)
+        return (code | (sign << 7)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 else:
     clock_ns = globaltimer          # nanoseconds of the GPU's global timer
     popcount = libdevice.popc       # bits set in each int32
@@ -38,3 +58,8 @@ else:
     def to_bf16(x):
         """float32 -> bfloat16, rounded to nearest even."""
         return x.to(tl.bfloat16)
+
+    @triton.jit
+    def to_e4m3(x):
+        """float32 (|x| <= 448) -> e4m3, rounded to nearest even."""
+        return x.to(tl.float8e4nv)
