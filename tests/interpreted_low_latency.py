@@ -16,6 +16,12 @@ from deep_ep.transport.base import LowLatencyOptions
 from deep_ep.transport.nvlink.low_latency import NVLinkLowLatency
 
 
+MODES = [LowLatencyOptions(use_fp8=False, round_scale=False, use_ue8m0=False),
+         LowLatencyOptions(use_fp8=True, round_scale=False, use_ue8m0=False),
+         LowLatencyOptions(use_fp8=True, round_scale=True, use_ue8m0=False),
+         LowLatencyOptions(use_fp8=True, round_scale=True, use_ue8m0=True)]
+
+
 def make_ranks(R: int, N: int, H: int, E: int) -> List[NVLinkLowLatency]:
     areas = [torch.zeros(low_latency_size_hint(N, H, R, E), dtype=torch.uint8) for _ in range(R)]
     peers = SimpleNamespace(bases=torch.tensor([a.data_ptr() for a in areas], dtype=torch.int64), close=lambda: None)
@@ -49,7 +55,7 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent
     ranks = make_ranks(R, N, H, E)
     e_loc = E // R
     for i in range(rounds):
-        options = LowLatencyOptions(use_fp8=i % 3 > 0, round_scale=i % 3 == 2, use_ue8m0=False)
+        options = MODES[i % len(MODES)]
         sources = make_sources(gen, R, N, H, K, E)
         cut = masked >= 0 and (absent or i == rounds - 1)
         masks = [[int(g == masked or r == masked) for g in range(R)] for r in range(R)] if cut else None
@@ -74,7 +80,8 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent
             if options.use_fp8:
                 expected = reg.payload_fp8(sources, options.round_scale)
                 check(errors, f"{name} FP8 rows", out.recv_x[reg.expert, reg.row].view(torch.uint8), expected.data)
-                check(errors, f"{name} FP8 scales", out.recv_scales[reg.expert, reg.row], expected.scale_inv)
+                scales = expected.ue8m0_words().to(torch.int32) if options.use_ue8m0 else expected.scale_inv
+                check(errors, f"{name} FP8 scales", out.recv_scales[reg.expert, reg.row], scales)
             else:
                 check(errors, f"{name} rows", out.recv_x[reg.expert, reg.row], reg.payload_bf16(sources))
             check(errors, f"{name} src_info", out.src_info[reg.expert, reg.row], reg.src_info)
@@ -99,7 +106,7 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent
 if __name__ == "__main__":
     failures: List[str] = []
     for R, K, masked in ((2, 3, -1), (3, 4, 2), (4, 8, 1)):
-        failures += run(R, N=8, H=256, K=K, E=4 * R, rounds=3, masked=masked)
+        failures += run(R, N=8, H=256, K=K, E=4 * R, rounds=4 if R == 2 else 3, masked=masked)
     failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True)   # a rank that never calls
     print("ok" if not failures else "\n".join(failures[:20]), flush=True)
     sys.exit(1 if failures else 0)
