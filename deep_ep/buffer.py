@@ -13,7 +13,7 @@ from .config import (Config, LowLatencyLayout, default_combine_config, default_d
                      low_latency_size_hint, topk_idx_t)
 from .group import Group, Topology, host_id
 from .low_latency import LowLatencySlots, ReceiveHook
-from .streams import CommStream
+from .streams import CommStream, stream_of
 from .transport import TRANSPORTS, select_transport, transport_name
 from .transport.base import LowLatencyOptions
 from .utils import EventHandle, EventOverlap, check_nvlink_connections
@@ -23,6 +23,13 @@ MAX_TOPK = 32
 MAX_EXPERTS_PER_RANK = 1024
 
 Tensors = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _shown_argument(name: str, value: int) -> Any:
+    """A Buffer argument as gathered (an int) back in the caller's terms, for error messages."""
+    if name == "transport":
+        return TRANSPORTS[value]
+    return None if name == "num_ranks_per_node" and value == -1 else value
 
 
 class Buffer:
@@ -83,13 +90,15 @@ class Buffer:
             if self.group_size % num_ranks_per_node:
                 raise ValueError(f"num_ranks_per_node must divide the group size {self.group_size}, "
                                  f"got {num_ranks_per_node}")
-        # one collective: every rank's arguments (which must agree) and host (the node layout, if not given)
-        hosts = self._agree_on_arguments(dict(
+        # one collective: every rank's arguments (construction is collective: ranks that differ get a ValueError
+        # naming the argument, not a failure at the first call on some ranks and a timeout on the others) and
+        # host (the node layout, if not given)
+        hosts = [row[0] for row in self._group.agree_on(dict(
             num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, low_latency_mode=bool(low_latency_mode),
             enable_shrink=bool(enable_shrink),
             allow_nvlink_for_low_latency_mode=bool(allow_nvlink_for_low_latency_mode),
             num_ranks_per_node=-1 if num_ranks_per_node is None else num_ranks_per_node,
-            transport=TRANSPORTS.index(requested_transport)))
+            transport=TRANSPORTS.index(requested_transport)), "Buffer construction", [host_id()], _shown_argument)]
         if num_ranks_per_node is None:
             num_ranks_per_node = self._group.ranks_per_node_of(hosts)
         self.topology = Topology(self.rank, self.group_size, num_ranks_per_node)
@@ -143,19 +152,6 @@ class Buffer:
                               RuntimeWarning, stacklevel=2)
             except Exception:
                 pass
-
-    def _agree_on_arguments(self, arguments: dict) -> List[int]:
-        """Every rank must build its Buffer with the same sizes and modes (construction is collective): a
-        difference raises ValueError on every rank, naming the argument, instead of a failure at the first
-        call on some ranks and a timeout on the others. Returns every rank's host id (gathered alongside)."""
-        everyone = self._group.gather_int_lists([*arguments.values(), host_id()], "Buffer construction")
-        for i, name in enumerate(arguments):
-            values = [TRANSPORTS[row[i]] if name == "transport" else row[i] for row in everyone]
-            if name == "num_ranks_per_node":
-                values = [None if value == -1 else value for value in values]
-            if any(other != values[0] for other in values):
-                raise ValueError(f"{name} must be the same on every rank of the group, got {values} (by rank)")
-        return [row[-1] for row in everyone]
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def destroy(self) -> None:
@@ -578,11 +574,12 @@ class Buffer:
     def _run_low_latency(self, launch, finish, half: int, name: str, async_finish: bool, return_recv_hook: bool,
                          inputs: tuple):
         """Launch, then either return a hook, or receive at once on the comm stream (async) / current stream."""
-        if self.device.type == "cuda" and not torch._C._cuda_isCurrentStreamCapturing():
+        ordered = self.device.type == "cuda" and not torch._C._cuda_isCurrentStreamCapturing()
+        if ordered:   # (inside a CUDA-graph capture the captured order holds)
             self._order_after_last_receive(half, return_recv_hook)
         if return_recv_hook:
             stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
-            if self._low_latency_async and stream is not None and not torch.cuda.is_current_stream_capturing():
+            if self._low_latency_async and ordered:
                 # an asynchronous low-latency call before this one may still run on the comm stream: calls
                 # must reach the GPU in order (they share the buffer halves)
                 stream.wait_stream(self._comm_stream.stream)
@@ -620,13 +617,11 @@ class Buffer:
         was issued on another stream than this call's, the caller's stream (which the comm stream waits for)
         waits for it. Calls without a hook run on the comm stream, in order; a hook runs on its call's stream."""
         comm = self._comm_stream
-        current = torch._C._cuda_getCurrentStream(comm.device_index)
+        current, current_stream = comm.caller()
         issued_on = current if return_recv_hook else comm.stream_ids
         previous = self._receive_streams[half]
         if previous is not None and previous not in (current, issued_on):
-            as_stream = lambda ids: torch.cuda.Stream(stream_id=ids[0], device_index=ids[1],  # noqa: E731
-                                                      device_type=ids[2])
-            as_stream(current).wait_stream(as_stream(previous))
+            current_stream.wait_stream(stream_of(previous))
         self._receive_streams[half] = issued_on
 
     def _combine_send_view(self, half: int, experts_per_rank: int, num_max_tokens: int, hidden: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import hashlib
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -95,6 +95,18 @@ class Group:
         if self.group is None:
             return [[int(v) for v in row] for row in self.comm.allgather([int(v) for v in values])]
         return self.all_gather(torch.tensor(list(values), dtype=torch.int64), what).tolist()
+
+    def agree_on(self, values: Dict[str, int], what: str, extra: Sequence[int] = (),
+                 shown: Callable[[str, int], Any] = lambda name, value: value) -> List[List[int]]:
+        """Every rank's `values` must be the same: a difference raises ValueError on every rank, naming the
+        first entry that differs and its values by rank (as `shown(name, value)` gives them). Returns every
+        rank's `extra` values (gathered in the same collective), by rank."""
+        everyone = self.gather_int_lists([*values.values(), *extra], what)
+        for i, name in enumerate(values):
+            column = [shown(name, row[i]) for row in everyone]
+            if any(value != column[0] for value in column):
+                raise ValueError(f"{name} must be the same on every rank of the group, got {column} (by rank)")
+        return [row[len(values):] for row in everyone]
 
     # ---- tensor collectives ---------------------------------------------------------------------------
     def all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:

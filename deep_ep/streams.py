@@ -37,6 +37,11 @@ _record = getattr(torch._C, "_CudaEventBase", None) and torch._C._CudaEventBase.
 _wait = getattr(torch._C, "_CudaEventBase", None) and torch._C._CudaEventBase.wait
 
 
+def stream_of(ids: Tuple[int, int, int]) -> "torch.cuda.Stream":
+    """A Stream object for a stream's id triple (stream_id, device_index, device_type)."""
+    return torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+
+
 class CommStream:
     """The Buffer's dedicated communication stream (None on CPU, where calls complete synchronously)."""
 
@@ -52,12 +57,12 @@ class CommStream:
             self._call_done = torch.cuda.Event()
             self._caller: Tuple[Any, Optional[torch.cuda.Stream]] = (None, None)   # (stream id, Stream)
 
-    def _current(self) -> Tuple[Tuple[int, int, int], torch.cuda.Stream]:
+    def caller(self) -> Tuple[Tuple[int, int, int], torch.cuda.Stream]:
         """The caller's stream on the Buffer's device: (its id triple, a Stream object for it)."""
         ids = torch._C._cuda_getCurrentStream(self.device_index)
         known, stream = self._caller
         if ids != known:
-            stream = torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+            stream = stream_of(ids)
             self._caller = (ids, stream)
         return ids, stream
 
@@ -76,7 +81,7 @@ class CommStream:
                 validate()
             result = fn()
             return result, EventOverlap(EventHandle.completed() if async_finish else None)
-        compute_id, compute = self._current()
+        compute_id, compute = self.caller()
         if previous_event is not None and previous_event.event is not None and not previous_event.event.is_host:
             _wait(previous_event.event.event, self.stream)
         else:

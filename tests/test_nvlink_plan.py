@@ -6,6 +6,7 @@ import torch
 import model
 from randomness import base_seed, generator
 from test_normal import make_routing
+from deep_ep.group import Group
 from deep_ep.transport.nvlink import plan_from_handle
 
 
@@ -54,6 +55,7 @@ def test_plan_from_handle_matches_the_model(num_ranks, num_channels):
 
 class _GroupOf:
     """A stand-in for the transport's group: gather_int_lists returns this rank's values and the others'."""
+    agree_on = Group.agree_on
 
     def __init__(self, others):
         self.others = others

@@ -89,14 +89,8 @@ def _agree_on_settings(group: Group) -> None:
     and a receiver that disagree would garble rows or wait forever): a difference raises ValueError on every
     rank, naming the variable."""
     from .low_latency import NUM_SENDERS
-    settings = {"DEEP_EP_NVLINK_DIRECT": int(DIRECT), "DEEP_EP_NVLINK_OWN_ROWS": int(OWN_ROWS == "receiver"),
-                "DEEP_EP_NVLINK_BATCH": BATCH, "DEEP_EP_LL_SENDERS": NUM_SENDERS}
-    everyone = group.gather_int_lists(list(settings.values()), "NVLink transport settings")
-    for i, name in enumerate(settings):
-        values = [row[i] for row in everyone]
-        if any(value != values[0] for value in values):
-            raise ValueError(f"${name} must be the same on every rank of the group; the values in effect are "
-                             f"{values} (by rank)")
+    group.agree_on({"$DEEP_EP_NVLINK_DIRECT": int(DIRECT), "$DEEP_EP_NVLINK_OWN_ROWS": int(OWN_ROWS == "receiver"),
+                    "$DEEP_EP_NVLINK_BATCH": BATCH, "$DEEP_EP_LL_SENDERS": NUM_SENDERS}, "NVLink transport settings")
 
 
 class NVLinkTransport(Transport):

@@ -132,8 +132,9 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
         for item in range(pid * per_program, tl.minimum((pid + 1) * per_program, num_tokens * CHUNKS)):
             t = item // CHUNKS
             ho = (item - t * CHUNKS) * CHUNK + co
-            ids = tl.load(idx_ptr + tl.cast(t, tl.int64) * K + ko, mask=ko < K, other=-1)
-            weights = tl.load(weights_ptr + tl.cast(t, tl.int64) * K + ko, mask=ko < K, other=0.0)
+            token_k = tl.cast(t, tl.int64) * K   # (a cast, not .to: the interpreter's loop counters are ints)
+            ids = tl.load(idx_ptr + token_k + ko, mask=ko < K, other=-1)
+            weights = tl.load(weights_ptr + token_k + ko, mask=ko < K, other=0.0)
             report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
             valid = (ids >= 0) & (ids < num_experts)
             if HAS_MASK:
@@ -145,10 +146,10 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
                 w = tl.sum(tl.where(valid & (ko == k), weights, 0.0))
                 # loaded whether or not the slot is used (an unused slot's stale bits are dropped below), so the
                 # load need not wait for the ids
-                row = rows_ptr + (tl.cast(t, tl.int64) * K + k) * H
+                row = rows_ptr + (token_k + k) * H
                 if OWN_FROM_X:   # an own selection's row is in x, where OWN (after the route entries) says
                     RN = R * num_max_tokens
-                    place = tl.load(route_ptr + experts_per_rank * RN + tl.cast(t, tl.int64) * K + k)
+                    place = tl.load(route_ptr + experts_per_rank * RN + token_k + k)
                     own_k = (place >= 0) & (place < experts_per_rank * RN)   # never read outside x
                     expert = place // RN
                     # (a scalar pointer from scalar offsets: the row loads keep their 16-byte accesses)

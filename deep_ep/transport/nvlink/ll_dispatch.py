@@ -79,7 +79,8 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens
     so = tl.arange(0, BLOCK_G)
     rank_open, free = begin_send(bases_ptr, mask_ptr, rank, received_offset, ro, timeout_ns, status_ptr, R, HAS_MASK)
     for t in range(pid, tl.where(free, num_tokens, 0), num_senders):
-        ids = tl.load(idx_ptr + tl.cast(t, tl.int64) * K + ko, mask=ko < K, other=-1)
+        token = tl.cast(t, tl.int64)   # (a cast, not .to: the interpreter's loop counters are ints)
+        ids = tl.load(idx_ptr + token * K + ko, mask=ko < K, other=-1)
         in_range = (ids >= 0) & (ids < num_experts)
         report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
         owner = tl.where(in_range, ids // experts_per_rank, 0)
@@ -94,9 +95,9 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens
         first_of_rank = valid & (tl.sum((same_rank & earlier).to(tl.int32), axis=1) == 0)
         slot_bits = tl.sum(tl.where(same, 1 << ko[None, :], 0), axis=1)
         own_table = route_ptr + experts_per_rank * R * num_max_tokens   # (this rank's receive fills the others)
-        tl.store(own_table + tl.cast(t, tl.int64) * K + ko, tl.full([BLOCK_K], -1, tl.int32),
+        tl.store(own_table + token * K + ko, tl.full([BLOCK_K], -1, tl.int32),
                  mask=(ko < K) & ~(valid & (owner == rank)))
-        row = tl.load(x_ptr + tl.cast(t, tl.int64) * H + ho, mask=ho < H, other=0.0)
+        row = tl.load(x_ptr + token * H + ho, mask=ho < H, other=0.0)
         if FP8:
             data, scale_words = _quantize(row, H, ROUND, UE8M0, BLOCK_H)
         # where each distinct expert's bits and each distinct rank's row go, for all slots at once (no
@@ -142,7 +143,8 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
         so = tl.arange(0, BLOCK_S)
         bo = tl.arange(0, 32)
         for e in range(pid, experts_per_rank, tl.num_programs(0)):
-            table = masks_ptr + tl.cast(e, tl.int64) * RN
+            out_base = tl.cast(e, tl.int64) * RN   # (a cast, not .to: the interpreter's loop counters are ints)
+            table = masks_ptr + out_base
             bits = tl.load(table + jo, mask=in_table, other=0)
             rows_of = popcount(bits)
             ends = tl.cumsum(rows_of, axis=0)                # rows up to and including entry j
@@ -151,7 +153,6 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
             begins = tl.cumsum(per_source, axis=0) - per_source
             tl.store(layout_ptr + e * R + ro, (begins.to(tl.int64) << 32) | per_source.to(tl.int64), mask=ro < R)
             tl.store(count_ptr + e, total)
-            out_base = tl.cast(e, tl.int64) * RN
             for p0 in range(0, total, ROWS):
                 p = p0 + po
                 live = p < total
@@ -170,7 +171,7 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
                 if SW > 0:   # scales are column-major: [E_loc, SW, R * N]
                     scales = tl.load(slots_ptr + slot[:, None] + XW + so[None, :],
                                      mask=live[:, None] & (so[None, :] < SW))
-                    tl.store(out_scales_ptr + tl.cast(e, tl.int64) * SW * RN + so[None, :] * RN + p[:, None], scales,
+                    tl.store(out_scales_ptr + out_base * SW + so[None, :] * RN + p[:, None], scales,
                              mask=live[:, None] & (so[None, :] < SW))
                 tl.store(src_info_ptr + out_base + p, token, mask=live)
                 tl.store(route_ptr + out_base + p, source * (num_max_tokens * K) + token * K + k, mask=live)
