@@ -3,9 +3,10 @@
 # (Triton compiles on many CPU cores at once); a short table last. Installs nothing (the machine's torch and
 # Triton are used); run from the repository root.
 # Usage: bash benchmarks/gpu_run.sh [seconds for the tests, default 500] [parts, default "bench normal ll other"]
-#   bench: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py); normal mode at 24, 16 and 8
-#          SMs and low-latency mode (2 GPUs); on one GPU a short low-latency run with both ranks on it, which
-#          checks the benchmark's code paths (its times say nothing of NVLink)
+#   bench: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py, DEEP_EP_LL_OWN_FROM_X=1 and 0
+#          alternated); normal mode at 24, 16 and 8 SMs and low-latency mode, the latter with either setting too
+#          (2 GPUs); on one GPU a short low-latency run with both ranks on it, which checks the benchmark's code
+#          paths (its times say nothing of NVLink)
 #   normal: tests/test_nvlink.py and test_nvlink_launch.py (and the comparisons again with the rings only); ll: the
 #   low-latency tests (ll-compare: the comparisons with the reference, ll-other: the rest; on one GPU they run one
 #   after the other, so there a call of at most 10 minutes takes one of them);
@@ -32,8 +33,15 @@ bench() {   # title, then benchmark arguments; every run appends to bench.txt
     timeout "$limit" python3 -m deep_ep.bench "$@" >> "$out/bench.txt" 2>&1 || bench_status=$?
 }
 if has bench; then
-    echo "=== low-latency kernel times, one rank" >> "$out/bench.txt"
-    timeout "$limit" python3 benchmarks/ll_kernel_times.py >> "$out/bench.txt" 2>&1 || bench_status=$?
+    # the combine's own rows read from the expert output (default) or sent like the others (alternated twice on
+    # one GPU, where these times are the run's only figures)
+    settings="1 0"
+    [ "$gpus" -lt 2 ] && settings="1 0 1 0"
+    for own_from_x in $settings; do
+        echo "=== low-latency kernel times, one rank, DEEP_EP_LL_OWN_FROM_X=$own_from_x" >> "$out/bench.txt"
+        DEEP_EP_LL_OWN_FROM_X=$own_from_x timeout "$limit" python3 benchmarks/ll_kernel_times.py --replays 100 \
+            >> "$out/bench.txt" 2>&1 || bench_status=$?
+    done
     if [ "$gpus" -lt 2 ]; then
         echo "one GPU: the benchmark as a smoke test only (both ranks on this GPU)"
         bench "low-latency, both ranks on one GPU" --mode low-latency --warmup 2 --iters 5
@@ -48,6 +56,8 @@ if has bench; then
         # the size hint's buffer: the rows stream through the rings
         bench "24 SMs, hint-sized buffer (rings)" --mode normal --num-sms 24 --kernels
         DEEP_EP_NVLINK_OWN_ROWS=receiver bench "24 SMs, rings, own rows copied by the receivers" --mode normal --num-sms 24
+        DEEP_EP_LL_OWN_FROM_X=0 bench "low-latency, the combine sends own rows too" --mode low-latency
+        bench "low-latency, own rows read from the expert output (default, again)" --mode low-latency
     fi
 fi
 
