@@ -62,7 +62,8 @@ class Buffer:
                 combine).
             num_rdma_bytes: bytes of the buffer used by the low-latency mode (and internode normal mode).
             low_latency_mode: enable `low_latency_dispatch` / `low_latency_combine`.
-            num_qps_per_rank: RDMA queue pairs per peer in DeepEP; accepted as a hint (must be > 0).
+            num_qps_per_rank: RDMA queue pairs per peer in DeepEP; accepted as a hint (must be > 0 in
+                low-latency mode, as DeepEP asserts there).
             allow_nvlink_for_low_latency_mode: let low-latency traffic between ranks of a node use NVLink.
             allow_mnnvl: allow multi-node NVLink (accepted; single-node transports ignore it).
             use_fabric: allocate shareable memory through fabric handles (accepted; ignored here).
@@ -76,7 +77,7 @@ class Buffer:
         """
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0, multiple_of=128)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0, multiple_of=128)
-        check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
+        check_int("num_qps_per_rank", num_qps_per_rank, minimum=1 if low_latency_mode else 0)
         if timeout_s is None:
             timeout_s = float(os.environ.get("DEEP_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         if not timeout_s > 0:

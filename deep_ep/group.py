@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -120,10 +121,14 @@ class Group:
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]],
                    input_splits: Optional[Sequence[int]], what: str) -> "PendingAllToAll":
-        """Start `all_to_all_single` of rows; `.wait()` on the result completes it (bounded) and fills `output`."""
+        """Start `all_to_all_single` of rows (dim 0; `output` contiguous); `.wait()` on the result completes it
+        (bounded) and fills `output`. Rows travel as bytes, so every dtype moves bit for bit, also those the
+        backend has no reduction type for (gloo: float8, 16- and 64-bit unsigned, ...)."""
         self._check_usable()
-        staged_out, staged_in = self._stage(output, empty=True), self._stage(input)
-        work = dist.all_to_all_single(staged_out, staged_in.contiguous(), list(output_splits) if output_splits is not None else None,
+        if not output.is_contiguous():
+            raise ValueError("all_to_all: output must be contiguous")
+        staged_out, staged_in = self._stage(_as_bytes(output), empty=True), self._stage(_as_bytes(input.contiguous()))
+        work = dist.all_to_all_single(staged_out, staged_in, list(output_splits) if output_splits is not None else None,
                                       list(input_splits) if input_splits is not None else None,
                                       group=self._torch_group(), async_op=True)
         return PendingAllToAll(self, work, what, output, staged_out)
@@ -146,7 +151,11 @@ class Group:
             try:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
             except RuntimeError as error:
-                self._fail(what, str(error))
+                if any(word in str(error).lower() for word in ("timed out", "timeout")):
+                    self._fail(what, str(error))
+                self._broken = what   # the ranks may be out of step
+                raise RuntimeError(f"rank {self.rank}: {what} failed: {str(error).strip()}; this Buffer cannot be "
+                                   "used any more") from error
             return
         while not work.is_completed():
             if time.monotonic() > deadline:
@@ -189,15 +198,18 @@ class Group:
         return torch.device("cpu") if self.cpu_native else torch.device("cuda", torch.cuda.current_device())
 
     def _stage(self, tensor: torch.Tensor, empty: bool = False) -> torch.Tensor:
-        """The tensor as the backend can move it: CUDA tensors go through host memory on a gloo group,
-        CPU tensors through the GPU on an NCCL group, and float8 travels as bytes (gloo has no float8)."""
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            tensor = tensor.view(torch.uint8)
+        """The tensor where the backend can move it: CUDA tensors go through host memory on a gloo group,
+        CPU tensors through the GPU on an NCCL group."""
         native = self.cuda_native if tensor.is_cuda else self.cpu_native
         if native:
             return tensor
         device = self._collective_device()
         return torch.empty(tensor.shape, dtype=tensor.dtype, device=device) if empty else tensor.to(device)
+
+
+def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's rows (dim 0) as a [rows, bytes per row] uint8 view."""
+    return rows.reshape(rows.shape[0], math.prod(rows.shape[1:])).view(torch.uint8)
 
 
 # `all_gather_into_tensor` was renamed `all_gather_single` in newer torch releases.
@@ -214,7 +226,7 @@ class PendingAllToAll:
     def wait(self) -> torch.Tensor:
         if not self.done:
             self.group.wait(self.work, self.what, self.staged)
-            target = self.output.view(torch.uint8) if self.output.dtype != self.staged.dtype else self.output
+            target = _as_bytes(self.output)
             if target.data_ptr() != self.staged.data_ptr():
                 target.copy_(self.staged)
             self.done = True

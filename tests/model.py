@@ -342,7 +342,7 @@ def combine(s: int, is_token_in_rank: torch.Tensor, rows_per_rank: Sequence[List
     row_of = [{row: i for i, row in enumerate(rows)} for rows in rows_per_rank]
     mask = is_token_in_rank.tolist()
     if bias is None:
-        biases: Tuple[torch.Tensor, ...] = ()
+        biases: Tuple[Optional[torch.Tensor], ...] = ()
     elif isinstance(bias, torch.Tensor):
         biases = (bias,)
     else:
@@ -352,10 +352,11 @@ def combine(s: int, is_token_in_rank: torch.Tensor, rows_per_rank: Sequence[List
     out_w = None
     if yws is not None:
         out_w = torch.empty(num_tokens, yws[0].size(1), dtype=torch.float32)
+    biases = biases + (None,) * (2 - len(biases))
     for t in range(num_tokens):
-        acc = torch.zeros(hidden, dtype=torch.float32)
-        for b in biases:
-            acc = acc + b[t].float()
+        # f32(bias0) + f32(bias1), an absent bias +0
+        first, second = (torch.zeros(hidden) if b is None else b[t].float() for b in biases)
+        acc = first + second
         acc_w = torch.zeros(out_w.size(1), dtype=torch.float32) if out_w is not None else None
         for n in range(num_nodes):
             partial = torch.zeros(hidden, dtype=torch.float32)

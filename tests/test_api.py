@@ -123,6 +123,36 @@ def test_comm_timeout_error_is_runtime_error():
     assert issubclass(deep_ep.CommTimeoutError, RuntimeError)
 
 
+class _FailedWork:
+    """A collective whose wait raises what a backend raised."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def wait(self, timeout=None):
+        raise RuntimeError(self.message)
+
+
+class _OneRank:
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("message,timed_out", [("Timed out waiting 20000ms for recv operation to complete", True),
+                                                ("Connection reset by peer", False)])
+def test_a_failed_collective_is_a_timeout_only_when_it_timed_out(message, timed_out):
+    from deep_ep.group import Group
+    group = Group(None, _OneRank(), timeout_s=20)
+    with pytest.raises(RuntimeError) as caught:
+        group.wait(_FailedWork(message), "dispatch (data exchange)", torch.zeros(1))
+    assert isinstance(caught.value, deep_ep.CommTimeoutError) == timed_out, caught.value
+    assert "rank 0: dispatch (data exchange)" in str(caught.value) and message in str(caught.value)
+    assert group.broken   # the ranks may be out of step either way
+
+
 # ---------------------------------------------------------------------------------------------------
 # 2. Config (spec 1.5)
 # ---------------------------------------------------------------------------------------------------
@@ -669,6 +699,12 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
     c.expect("get_local_buffer_tensor_too_big", ValueError,
              lambda: buf.get_local_buffer_tensor(torch.int32, torch.Size([nvl])), "size")
 
+    # -- num_qps_per_rank: DeepEP asserts > 0 only where it initialises NVSHMEM (low-latency mode here) --------
+    with c.check("num_qps_per_rank_0_without_low_latency"):
+        Buffer(group, nvl, 0, num_qps_per_rank=0, explicitly_destroy=True).destroy()
+    c.expect("num_qps_per_rank_0_in_low_latency_mode", ValueError,
+             lambda: Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=0), "num_qps_per_rank")
+
     # -- several Buffers in one process, interleaved (LM keeps three) -----------------------------------
     with c.check("several_buffers"):
         normal2 = Buffer(group, nvl, 0)
@@ -861,7 +897,8 @@ def api_results():
 API_CHECKS = ["constructor_errors_local", "positional_construction_and_attributes",
               "keyword_construction_and_attributes", "weakref_and_isinstance", "helpers_on_instance",
               "set_num_sms_on_instance", "events_of_calls", "get_comm_stream", "get_local_buffer_tensor",
-              "get_local_buffer_tensor_too_big", "several_buffers", "destroy_requires_flag",
+              "get_local_buffer_tensor_too_big", "num_qps_per_rank_0_without_low_latency",
+              "num_qps_per_rank_0_in_low_latency_mode", "several_buffers", "destroy_requires_flag",
               "destroy_then_api_raises_runtime_error", "new_buffer_after_destroy", "leak_warning",
               "low_latency_combine_of_fewer_tokens", "construction_arguments_agree", "num_worst_tokens_per_rank",
               "comm_without_group",

@@ -183,14 +183,20 @@ class Checker:
             return False
         return True
 
-    def event(self, what: str, ev: Any, async_finish: bool) -> None:
+    def event(self, what: str, ev: Any, async_finish: bool, kept: Optional[Dict[int, Any]] = None,
+              num_kept: int = 0) -> None:
+        """The call's EventOverlap; when async, its extra_tensors has `num_kept` entries, entry i being the
+        object kept[i] (spec 9.3, 9.4)."""
         from deep_ep import EventOverlap
         if not self.true(f"{what} event type", isinstance(ev, EventOverlap), f"got {type(ev).__name__}"):
             return
         if async_finish:
             if self.true(f"{what} event", ev.event is not None, "async_finish=True must return an event"):
-                self.true(f"{what} extra_tensors", isinstance(ev.extra_tensors, tuple) and len(ev.extra_tensors) > 0,
-                          f"LL calls keep their tensors in extra_tensors when async, got {ev.extra_tensors!r}")
+                extra = ev.extra_tensors
+                if self.true(f"{what} extra_tensors", isinstance(extra, tuple) and len(extra) == num_kept,
+                             f"expected a tuple of {num_kept}, got {extra!r:.200}"):
+                    for i, obj in (kept or {}).items():
+                        self.true(f"{what} extra_tensors[{i}]", extra[i] is obj, "not the call's tensor")
                 with ev:
                     pass
                 ev.current_stream_wait()
@@ -310,7 +316,8 @@ def ll_dispatch(buf, ctx, src: M.Source, n: int, num_experts: int, opts: Dict[st
 
 
 def finish_dispatch(chk: Checker, out: tuple, opts: Dict[str, Any]) -> None:
-    chk.event("dispatch", out[3], opts["dmode"] == "async")
+    data = out[0][0] if isinstance(out[0], tuple) else out[0]
+    chk.event("dispatch", out[3], opts["dmode"] == "async", {2: data, 4: out[1], 5: out[2][0], 6: out[2][1]}, 8)
     chk.hook("dispatch", out[4], opts["dmode"] == "hook")
     if opts["dmode"] == "hook" and callable(out[4]):
         out[4]()
@@ -379,13 +386,15 @@ def run_round(chk: Checker, ctx, buf, seed: int, key: Any, sources: List[M.Sourc
     if opts["stats"]:
         cwait0 = torch.randint(0, 10 ** 6, (num_ranks,), generator=gen, dtype=torch.int64)
         cwait = cwait0.clone().to(ctx.device)
-    res = buf.low_latency_combine(x_arg, cidx.to(ctx.device), src.topk_weights.to(ctx.device), handle,
+    cidx_arg, weights_arg = cidx.to(ctx.device), src.topk_weights.to(ctx.device)
+    res = buf.low_latency_combine(x_arg, cidx_arg, weights_arg, handle,
                                   use_logfmt=logfmt, zero_copy=ckind == "zero_copy", async_finish=cmode == "async",
                                   return_recv_hook=cmode == "hook", out=out_t, combine_wait_recv_cost_stats=cwait)
     if not chk.true("combine returns a 3-tuple", isinstance(res, tuple) and len(res) == 3, f"got {res!r:.200}"):
         return
     combined, cev, chook = res
-    chk.event("combine", cev, cmode == "async")
+    chk.event("combine", cev, cmode == "async", {1: cidx_arg, 2: weights_arg, 3: handle[0], 4: handle[1],
+                                                 5: combined}, 6)
     chk.hook("combine", chook, cmode == "hook")
     if cmode == "hook" and callable(chook):
         chook()

@@ -398,6 +398,11 @@ def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optio
         use_w = with_topk and case.get("combine_weights", True)
         gen = generator(seed, case["name"], "bias", j, rank)
         b = [wide_random(gen, me.num_tokens, hidden) for _ in range(2)]
+        # -0 in both biases at some places: bf16(f32(b0) + f32(b1)) keeps it where no row is added (masked
+        # tokens); one -0 bias alone gives +0 (an absent bias counts as +0)
+        negative_zero = torch.rand(me.num_tokens, hidden, generator=gen) < 0.1
+        for one in b:
+            one[negative_zero] = -0.0
         bias = {"none": None, "one": b[0], "two": (b[0], b[1])}[bias_mode]
         exp_x, exp_w = model.combine(rank, me.layout.is_token_in_rank, rows_of, ys, yws if use_w else None, bias,
                                      ranks_per_node)
@@ -594,6 +599,99 @@ def test_internode_3_nodes_x_2_ranks(pool):
         dict(name="3x2-nothing-to-node-2", tokens=[12, 9, 0, 33, 0, 0], hidden=256, topk=2, experts_per_rank=2,
              num_sms=2, routing="first_half", biases=["none"])]
     _report(seed, lambda: pool(6).run(run_cases, seed, cases, 2))
+
+
+# ---------------------------------------------------------------------------------------------------
+# dispatch moves raw bytes: any dtype with 16-byte rows (spec 5.1)
+# ---------------------------------------------------------------------------------------------------
+RAW_DTYPES = [getattr(torch, name) for name in (
+    "float32", "float16", "float64", "int8", "uint8", "int16", "int32", "int64", "complex64", "uint16", "uint32",
+    "uint64", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name)]
+
+
+def raw_rows(seed: int, s: int, num_tokens: int, row_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank s's rows for `dtype`: random bytes (every bit pattern), viewed as `dtype`."""
+    gen = generator(seed, "raw", str(dtype), s)
+    return torch.randint(0, 256, (num_tokens, row_bytes), generator=gen, dtype=torch.uint8).view(dtype)
+
+
+def run_raw_dtypes(ctx, seed: int, case: Dict[str, Any]) -> List[str]:
+    from deep_ep import Buffer
+    num_ranks, rank = ctx.world_size, ctx.rank
+    num_experts = num_ranks * case["experts_per_rank"]
+    sources = make_sources(seed, case, num_ranks, None)
+    rows = model.received_rows(sources, rank)
+    me = sources[rank]
+    buffer = Buffer(ctx.group, nvl_bytes(), 0, explicitly_destroy=True, timeout_s=BUFFER_TIMEOUT_S)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(me.topk_idx.to(ctx.device), num_experts)
+    chk = Checker(seed, case["name"], rank)
+    row_bytes = 64
+    for dtype in RAW_DTYPES:
+        xs = [raw_rows(seed, s, case["tokens"][s], row_bytes, dtype) for s in range(num_ranks)]
+        expected = model.cached_dispatch([x.view(torch.uint8) for x in xs], rows)
+        recv_x, _, _, _, handle, _ = buffer.dispatch(
+            xs[rank].to(ctx.device), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=me.topk_idx.to(ctx.device),
+            topk_weights=me.topk_weights.to(ctx.device))
+        chk.true(f"{dtype} recv_x dtype", recv_x.dtype == dtype, f"got {recv_x.dtype}")
+        chk.equal(f"{dtype} recv_x bytes", recv_x.cpu().view(torch.uint8), expected)
+        cached = buffer.dispatch(xs[rank].to(ctx.device), handle=handle)[0]
+        chk.equal(f"{dtype} cached recv_x bytes", cached.cpu().view(torch.uint8), expected)
+        if dtype.itemsize == 1 and dtype.is_floating_point:   # the FP8 form: (1-byte data, scales)
+            scales = [torch.randn(case["tokens"][s], 1, generator=generator(seed, "scales", s)) for s in range(num_ranks)]
+            data, got_scales = buffer.dispatch(
+                (xs[rank].to(ctx.device), scales[rank].to(ctx.device)), num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=me.topk_idx.to(ctx.device),
+                topk_weights=me.topk_weights.to(ctx.device))[0]
+            chk.equal(f"({dtype}, scales) data bytes", data.cpu().view(torch.uint8), expected)
+            chk.equal(f"({dtype}, scales) scales", got_scales.cpu(), model.cached_dispatch(scales, rows))
+    buffer.destroy()
+    return chk.errors
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dispatch_moves_any_dtype_bit_for_bit(pool, world_size):
+    """Plain x of every dtype (64-byte rows of random bytes, also dtypes a gloo or NCCL collective cannot carry),
+    and the FP8 tuple with other 1-byte float data, arrive bit for bit, in cached dispatch too."""
+    seed = base_seed()
+    case = dict(name=f"raw-dtypes-{world_size}", tokens=[13, 0, 21][:world_size], hidden=64, topk=3,
+                experts_per_rank=3, mask_frac=0.2)
+    _report(seed, lambda: pool(world_size).run(run_raw_dtypes, seed, case))
+
+
+def run_argument_semantics(ctx, seed: int, case: Dict[str, Any]) -> List[str]:
+    from deep_ep import Buffer
+    num_ranks, rank, dev = ctx.world_size, ctx.rank, ctx.device
+    num_experts = num_ranks * case["experts_per_rank"]
+    sources = make_sources(seed, case, num_ranks, None)
+    me = sources[rank]
+    expected = model.dispatch(sources, rank, num_experts, num_channels=configs(case, False)[2])
+    buffer = Buffer(ctx.group, nvl_bytes(), 0, explicitly_destroy=True, timeout_s=BUFFER_TIMEOUT_S)
+    chk = Checker(seed, case["name"], rank)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(me.topk_idx.to(dev), num_experts)
+    topk = dict(topk_idx=me.topk_idx.to(dev), topk_weights=me.topk_weights.to(dev))
+    # the per-expert list sums the callers' num_tokens_per_expert (spec 5.5), not what arrives
+    padded = buffer.dispatch(me.x.to(dev), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                             num_tokens_per_expert=per_expert + 3, **topk)
+    chk.true("list from the callers' num_tokens_per_expert + 3",
+             padded[3] == [c + 3 * num_ranks for c in expected.num_recv_tokens_per_expert_list],
+             f"got {padded[3]}, expected {expected.num_recv_tokens_per_expert_list} each + {3 * num_ranks}")
+    chk.x_equal("recv_x with padded counts", padded[0], expected.recv_x)
+    # a cached dispatch ignores the layout arguments, expert_alignment and num_worst_tokens (spec 5.1, 6.3)
+    ignored = buffer.dispatch(me.x.to(dev), handle=padded[4], num_tokens_per_rank=torch.zeros(7), expert_alignment=0,
+                              num_worst_tokens=-5)
+    chk.x_equal("cached dispatch with ignored arguments recv_x", ignored[0], expected.recv_x)
+    chk.true("cached dispatch with ignored arguments: (recv_x, None, None, None, None, event)",
+             all(v is None for v in ignored[1:5]), f"got {[type(v).__name__ for v in ignored[1:5]]}")
+    buffer.destroy()
+    return chk.errors
+
+
+def test_dispatch_argument_semantics(pool):
+    """Caller-supplied per-expert counts make the count list; a cached dispatch ignores the layout arguments."""
+    seed = base_seed()
+    case = dict(name="argument-semantics", tokens=[17, 9], hidden=128, topk=4, experts_per_rank=3, mask_frac=0.1)
+    _report(seed, lambda: pool(2).run(run_argument_semantics, seed, case))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -134,10 +134,11 @@ def test_normal_dispatch_moves_rows_in_16_bytes(protocol):
     _expect_16_byte_rows(counts, constexprs["ROWS"] * constexprs["BLOCK_X"] * 4, NUM_WARPS)
 
 
+@pytest.mark.parametrize("biases", [0, 1, 2])
 @pytest.mark.parametrize("protocol", ["direct", "rings"])
-def test_normal_combine_moves_rows_in_16_bytes(protocol):
-    constexprs = dict(R=R, H=H, K=K, X_OFF=_combine_slot(K, H)[0], HAS_BIAS0=False, HAS_BIAS1=False, BLOCK_H=_next_pow2(H), BLOCK_K=K,
-                      BLOCK_R=R, ROWS=_rows_per_step(H, COMBINE_TILE))
+def test_normal_combine_moves_rows_in_16_bytes(protocol, biases):
+    constexprs = dict(R=R, H=H, K=K, X_OFF=_combine_slot(K, H)[0], HAS_BIAS0=biases >= 1, HAS_BIAS1=biases == 2,
+                      BLOCK_H=_next_pow2(H), BLOCK_K=K, BLOCK_R=R, ROWS=_rows_per_step(H, COMBINE_TILE))
     if protocol == "direct":
         kernel, constexprs = direct.direct_combine_kernel, dict(constexprs, AMAX=48, BLOCK_P=32)
     else:

@@ -62,11 +62,14 @@ def reduce_tokens(tokens, live, x_ptr, weights_ptr, in_rank_ptr, before_ptr, bia
     (row self_row0 + position)."""
     t64 = tokens.to(tl.int64)
     row_mask = live[:, None] & (ho[None, :] < H)
-    total = tl.zeros([ROWS, BLOCK_H], tl.float32)
+    # f32(bias0) + f32(bias1) in one add, an absent bias +0 (two -0 biases give -0)
+    bias0 = tl.zeros([ROWS, BLOCK_H], tl.float32)
+    bias1 = tl.zeros([ROWS, BLOCK_H], tl.float32)
     if HAS_BIAS0:
-        total += tl.load(bias0_ptr + t64[:, None] * H + ho[None, :], mask=row_mask).to(tl.float32)
+        bias0 = tl.load(bias0_ptr + t64[:, None] * H + ho[None, :], mask=row_mask).to(tl.float32)
     if HAS_BIAS1:
-        total += tl.load(bias1_ptr + t64[:, None] * H + ho[None, :], mask=row_mask).to(tl.float32)
+        bias1 = tl.load(bias1_ptr + t64[:, None] * H + ho[None, :], mask=row_mask).to(tl.float32)
+    total = bias0 + bias1
     weight_total = tl.zeros([ROWS, BLOCK_K], tl.float32)
     for d in tl.static_range(R):
         take = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
