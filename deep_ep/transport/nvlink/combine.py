@@ -43,7 +43,8 @@ def add_combine_slots(total, weight_total, slots, take, ho, ko, H: tl.constexpr,
     slots = tl.multiple_of(slots, 16)
     sources = slots.to(tl.pointer_type(tl.bfloat16))[:, None] + 2 * X_OFF + ho[None, :]
     sources = tl.max_contiguous(tl.multiple_of(sources, [1, 16]), [1, BLOCK_H])
-    total += tl.load(sources, mask=take[:, None] & (ho[None, :] < H), other=0.0, cache_modifier=".cg").to(tl.float32)
+    rows = tl.load(sources, mask=take[:, None] & (ho[None, :] < H), other=0.0, cache_modifier=".cg").to(tl.float32)
+    total = tl.where(take[:, None], total + rows, total)   # (not + 0.0 where not taken: a -0 total stays -0)
     if K > 0:
         weight_total += tl.load(slots.to(tl.pointer_type(tl.float32))[:, None] + ko[None, :],
                                 mask=take[:, None] & (ko[None, :] < K), other=0.0, cache_modifier=".cg")
@@ -77,8 +78,9 @@ def reduce_tokens(tokens, live, x_ptr, weights_ptr, in_rank_ptr, before_ptr, bia
         if d == rank:
             rows = self_row0 + position
             own_row = take & (rows < num_rows) & (rows >= 0)   # num_worst_tokens: dropped rows
-            total += tl.load(x_ptr + rows[:, None] * H + ho[None, :], mask=own_row[:, None] & (ho[None, :] < H),
-                             other=0.0).to(tl.float32)
+            own_values = tl.load(x_ptr + rows[:, None] * H + ho[None, :], mask=own_row[:, None] & (ho[None, :] < H),
+                                 other=0.0).to(tl.float32)
+            total = tl.where(own_row[:, None], total + own_values, total)
             if K > 0:
                 weight_total += tl.load(weights_ptr + rows[:, None] * K + ko[None, :],
                                         mask=own_row[:, None] & (ko[None, :] < K), other=0.0)
