@@ -18,7 +18,7 @@ and senders never block on one ring, so the exchange cannot deadlock.
 import triton
 import triton.language as tl
 
-from .intrinsics import clock_ns
+from .intrinsics import clock_ns, to_bf16
 from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, begin_operation, channel_tokens, end_operation, lane, peer_view,
                    publish, report_timeout, wait_at_least)
 
@@ -88,7 +88,7 @@ def reduce_tokens(tokens, live, x_ptr, weights_ptr, in_rank_ptr, before_ptr, bia
             index = (lane(index0, ro, d) + position) % modulo
             slots = own + 4 * (lane(regions, ro, d) + index * slot_words)
             total, weight_total = add_combine_slots(total, weight_total, slots, take, ho, ko, H, K, X_OFF, BLOCK_H)
-    tl.store(out_ptr + t64[:, None] * H + ho[None, :], total.to(tl.bfloat16), mask=row_mask)
+    tl.store(out_ptr + t64[:, None] * H + ho[None, :], to_bf16(total), mask=row_mask)
     if K > 0:
         tl.store(out_weights_ptr + t64[:, None] * K + ko[None, :], weight_total, mask=live[:, None] & (ko[None, :] < K))
 
