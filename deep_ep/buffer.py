@@ -448,7 +448,7 @@ class Buffer:
                              values=not self._transport.low_latency_checks_values_on_device)
         if use_fp8 and hidden % 8:
             raise ValueError(f"x: hidden size must be a multiple of 8 for FP8, got {hidden}")
-        if use_ue8m0 and not round_scale:
+        if use_fp8 and use_ue8m0 and not round_scale:   # (BF16 ignores both, as in DeepEP)
             raise ValueError("use_ue8m0=True requires round_scale=True")
         if cumulative_local_expert_recv_stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
@@ -658,7 +658,7 @@ class Buffer:
 
     def _check_low_latency_capacity(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
         self._check_num_experts(num_experts)
-        needed = low_latency_size_hint(num_max_tokens, hidden, self.group_size, num_experts)
+        needed = LowLatencyLayout(num_max_tokens, hidden, num_experts).total_bytes   # (what DeepEP asserts)
         if self.num_rdma_bytes < needed:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for low-latency calls with N="
                              f"{num_max_tokens}, hidden={hidden}, num_experts={num_experts}: need >= {needed} "

@@ -127,7 +127,7 @@ class Group:
         self._check_usable()
         if not output.is_contiguous():
             raise ValueError("all_to_all: output must be contiguous")
-        staged_out, staged_in = self._stage(_as_bytes(output), empty=True), self._stage(_as_bytes(input.contiguous()))
+        staged_out, staged_in = self._stage(rows_as_bytes(output), empty=True), self._stage(rows_as_bytes(input.contiguous()))
         work = dist.all_to_all_single(staged_out, staged_in, list(output_splits) if output_splits is not None else None,
                                       list(input_splits) if input_splits is not None else None,
                                       group=self._torch_group(), async_op=True)
@@ -147,21 +147,23 @@ class Group:
         """Complete `work` within the timeout, polling without blocking (a blocking wait on a collective
         that a peer never joins would not return)."""
         deadline = time.monotonic() + self.timeout_s
-        if not result.is_cuda:
-            try:
+        try:
+            if not result.is_cuda:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError as error:
-                if any(word in str(error).lower() for word in ("timed out", "timeout")):
-                    self._fail(what, str(error))
-                self._broken = what   # the ranks may be out of step
-                raise RuntimeError(f"rank {self.rank}: {what} failed: {str(error).strip()}; this Buffer cannot be "
-                                   "used any more") from error
-            return
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                self._fail(what, "the collective did not finish on the GPU")
-            time.sleep(0)
-        work.wait()  # orders the current stream after the collective
+                return
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    self._fail(what, "the collective did not finish on the GPU")
+                time.sleep(0)
+            work.wait()  # orders the current stream after the collective
+        except CommTimeoutError:
+            raise
+        except RuntimeError as error:   # what the backend raised (gloo: "Timed out ...", NCCL's watchdog: "... timeout")
+            if any(word in str(error).lower() for word in ("timed out", "timeout")):
+                self._fail(what, str(error))
+            self._broken = what   # the ranks may be out of step
+            raise RuntimeError(f"rank {self.rank}: {what} failed: {str(error).strip()}; this Buffer cannot be "
+                               "used any more") from error
 
     def mark_broken(self, what: str) -> None:
         """A wait on the other ranks (`what`) failed outside this group's collectives (e.g. on the GPU): the
@@ -207,9 +209,10 @@ class Group:
         return torch.empty(tensor.shape, dtype=tensor.dtype, device=device) if empty else tensor.to(device)
 
 
-def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's rows (dim 0) as a [rows, bytes per row] uint8 view."""
-    return rows.reshape(rows.shape[0], math.prod(rows.shape[1:])).view(torch.uint8)
+def rows_as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's rows (dim 0) as a [rows, bytes per row] uint8 view (through the flat view: a
+    contiguous tensor may have any stride on a dimension of size 1)."""
+    return rows.reshape(-1).view(torch.uint8).view(rows.shape[0], rows.element_size() * math.prod(rows.shape[1:]))
 
 
 # `all_gather_into_tensor` was renamed `all_gather_single` in newer torch releases.
@@ -226,7 +229,7 @@ class PendingAllToAll:
     def wait(self) -> torch.Tensor:
         if not self.done:
             self.group.wait(self.work, self.what, self.staged)
-            target = _as_bytes(self.output)
+            target = rows_as_bytes(self.output)
             if target.data_ptr() != self.staged.data_ptr():
                 target.copy_(self.staged)
             self.done = True

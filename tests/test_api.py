@@ -705,6 +705,23 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
     c.expect("num_qps_per_rank_0_in_low_latency_mode", ValueError,
              lambda: Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=0), "num_qps_per_rank")
 
+    # -- a low-latency area of exactly DeepEP's layout total is enough (spec 9.1: total <= num_rdma_bytes; the
+    # hint adds up to 128 bytes) ---------------------------------------------------------------------------
+    with c.check("low_latency_area_of_the_layout_total"):
+        total = Buffer.get_low_latency_rdma_size_hint(N, H, 2, E) - 128   # (the layout total is 128-aligned here)
+        exact = Buffer(group, 0, total, low_latency_mode=True, num_qps_per_rank=E // 2, explicitly_destroy=True)
+        tiny_low_latency(ctx, exact)
+        exact.get_next_low_latency_combine_buffer(exact.low_latency_dispatch(*routing(ctx)[:2], N, E)[2])
+        exact.clean_low_latency_buffer(N, H, E)
+        # use_ue8m0 without round_scale matters only with FP8 (DeepEP checks it there): BF16 comes back
+        plain = exact.low_latency_dispatch(*routing(ctx)[:2], N, E, use_fp8=False, use_ue8m0=True)[0]
+        assert plain.dtype == torch.bfloat16, plain.dtype
+        exact.destroy()
+    c.expect("low_latency_area_below_the_layout_total", ValueError,
+             lambda: Buffer(group, 0, total - 128, low_latency_mode=True,
+                            num_qps_per_rank=E // 2).low_latency_dispatch(*routing(ctx)[:2], N, E),
+             "num_rdma_bytes")
+
     # -- several Buffers in one process, interleaved (LM keeps three) -----------------------------------
     with c.check("several_buffers"):
         normal2 = Buffer(group, nvl, 0)
@@ -898,7 +915,8 @@ API_CHECKS = ["constructor_errors_local", "positional_construction_and_attribute
               "keyword_construction_and_attributes", "weakref_and_isinstance", "helpers_on_instance",
               "set_num_sms_on_instance", "events_of_calls", "get_comm_stream", "get_local_buffer_tensor",
               "get_local_buffer_tensor_too_big", "num_qps_per_rank_0_without_low_latency",
-              "num_qps_per_rank_0_in_low_latency_mode", "several_buffers", "destroy_requires_flag",
+              "num_qps_per_rank_0_in_low_latency_mode", "low_latency_area_of_the_layout_total",
+              "low_latency_area_below_the_layout_total", "several_buffers", "destroy_requires_flag",
               "destroy_then_api_raises_runtime_error", "new_buffer_after_destroy", "leak_warning",
               "low_latency_combine_of_fewer_tokens", "construction_arguments_agree", "num_worst_tokens_per_rank",
               "comm_without_group",

@@ -91,6 +91,23 @@ def logfmt_rows(gen: torch.Generator, rows: int, hidden: int) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
+def logfmt_encoded(rows: torch.Tensor) -> torch.Tensor:
+    """Spec 9.5: which channels of each row travel LogFMT-encoded ([T, H] bool): those of a chunk (1024
+    channels, 512 unless H % 1024 == 0) whose every 128-channel group has amax < 1 and amin < amax."""
+    num_rows, hidden = rows.shape
+    mag = rows.float().abs()
+    group_ok = []
+    for g in range(0, hidden, 128):
+        amax, amin = mag[:, g:g + 128].amax(1), mag[:, g:g + 128].amin(1)
+        group_ok.append((amax < 1) & (amin < amax))
+    per_chunk = 8 if hidden % 1024 == 0 else 4
+    encoded = torch.zeros(num_rows, hidden, dtype=torch.bool)
+    for c in range(0, len(group_ok), per_chunk):
+        chunk_ok = torch.stack(group_ok[c:c + per_chunk]).all(0)
+        encoded[:, c * 128:(c + per_chunk) * 128] = chunk_ok[:, None]
+    return encoded
+
+
 def make_sources(seed: int, case: Dict[str, Any], num_ranks: int, tag: str = "") -> List[M.Source]:
     num_experts = num_ranks * case["experts_per_rank"]
     hot = int(torch.randint(num_experts, (1,), generator=generator(seed, case["name"], tag, "hot")))
@@ -407,6 +424,17 @@ def run_round(chk: Checker, ctx, buf, seed: int, key: Any, sources: List[M.Sourc
         check_wait_stats(chk, "combine_wait_recv_cost_stats", cwait, cwait0, num_ranks, masked_sources)
     if logfmt:
         exact, mag, row_mag = M.combine_exact(rank, cidx, src.topk_weights, rows_sel[rank], ys, e_loc, masks)
+        # channels where no summed row was encoded add up exactly as without LogFMT; encoded ones change
+        plain = M.combine(rank, cidx, src.topk_weights, rows_sel[rank], ys, e_loc, masks)
+        touched = torch.zeros(plain.shape, dtype=torch.bool)
+        for _, valid, vals in M._combine_terms(rank, cidx, rows_sel[rank], ys, e_loc, masks):
+            touched |= valid[:, None] & logfmt_encoded(vals)
+        same = combined.cpu().view(torch.int16) == plain.view(torch.int16)
+        chk.true("LogFMT leaves channels without encoded rows exact", bool(same[~touched].all()),
+                 f"{int((~same & ~touched).sum())} such elements differ from the BF16 sum")
+        if int(touched.sum()) > 64:
+            chk.true("LogFMT changes channels with encoded rows", not bool(same[touched].all()),
+                     f"all {int(touched.sum())} are as without LogFMT")
         got = combined.cpu().double()
         chk.true("LogFMT combine has no NaN/inf", bool(torch.isfinite(got).all()))
         err = (got - exact).abs()

@@ -683,6 +683,20 @@ def run_argument_semantics(ctx, seed: int, case: Dict[str, Any]) -> List[str]:
     chk.x_equal("cached dispatch with ignored arguments recv_x", ignored[0], expected.recv_x)
     chk.true("cached dispatch with ignored arguments: (recv_x, None, None, None, None, event)",
              all(v is None for v in ignored[1:5]), f"got {[type(v).__name__ for v in ignored[1:5]]}")
+    # ranks passing rows of different dtypes (same hidden) are refused together, naming the dtype
+    odd = me.x.view(torch.int16).to(torch.int32 if rank == 0 else torch.float32)
+    try:
+        buffer.dispatch(odd.to(dev), handle=padded[4])
+        chk.fail("dtypes differing between ranks", "nothing was raised")
+    except ValueError as error:
+        chk.true("dtypes differing between ranks: the message names them", "torch.int32" in str(error)
+                 and "torch.float32" in str(error), str(error))
+    # combine weights of top-k 1 whose one column has a stride other than 1 (contiguous all the same)
+    num_recv = padded[0].shape[0]
+    column = torch.rand(num_recv, generator=generator(seed, "column", rank)).reshape(1, num_recv).t()
+    got = buffer.combine(padded[0], padded[4], topk_weights=column.to(dev))[1]
+    same = buffer.combine(padded[0], padded[4], topk_weights=column.reshape(-1).clone().view(num_recv, 1).to(dev))[1]
+    chk.equal("combined top-k 1 weights of a strided column", got.cpu(), same.cpu())
     buffer.destroy()
     return chk.errors
 

@@ -13,37 +13,35 @@ variable all-to-all, so this transport always synchronises the host; that is its
 from __future__ import annotations
 
 import itertools
-import math
 import weakref
+import zlib
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ..fp8 import logfmt_roundtrip, num_scale_groups, pack_ue8m0, per_token_cast_to_fp8
-from ..group import Group, Topology
+from ..group import Group, Topology, rows_as_bytes
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
-_DTYPE_CODES = {dt: i + 1 for i, dt in enumerate([
-    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool])}
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A number for every dtype, the same in every process (for the header exchange)."""
+    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
 
 
-_SELECT_AS = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8,   # (no index_select for these)
-              torch.bfloat16: torch.int16, torch.float16: torch.int16}   # (several times faster on CPUs)
+_DTYPE_NAMES = {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+# rows are selected as integers of their element size: index_select has no kernel for some dtypes (float8,
+# unsigned ints in older releases), and 16-bit integers are several times faster than 16-bit floats on CPUs
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`t.index_select(0, index)` for any dtype (float8 and 16-bit float rows are moved as integers)."""
-    as_int = _SELECT_AS.get(t.dtype)
-    if as_int is not None and not t.requires_grad:
-        return t.view(as_int).index_select(0, index).view(t.dtype)
-    return t.index_select(0, index)
-
-
-def _row_bytes(t: torch.Tensor) -> int:
-    return t.element_size() * math.prod(t.shape[1:])
+    """`t.index_select(0, index)` for any dtype (rows moved as integers, except for tensors with autograd history)."""
+    wider = t.element_size() == 16   # (viewed as twice as many int64: needs a contiguous last dim)
+    if t.requires_grad or (wider and t.stride(-1) != 1):
+        return t.index_select(0, index)
+    return t.view(_INT_OF_SIZE[t.element_size()]).index_select(0, index).view(t.dtype)
 
 
 class _Packer:
@@ -54,9 +52,9 @@ class _Packer:
         self.parts: List[torch.Tensor] = []
 
     def add(self, name: str, rows: torch.Tensor) -> None:
-        rows = rows.contiguous()
-        self.fields.append((name, rows.dtype, tuple(rows.shape[1:]), _row_bytes(rows)))
-        self.parts.append(rows.view(torch.uint8).reshape(rows.shape[0], self.fields[-1][3]))
+        as_bytes = rows_as_bytes(rows.contiguous())
+        self.fields.append((name, rows.dtype, tuple(rows.shape[1:]), as_bytes.shape[1]))
+        self.parts.append(as_bytes)
 
     @property
     def row_bytes(self) -> int:
@@ -162,8 +160,9 @@ class ReferenceTransport(Transport):
                 ops = {v: k for k, v in _OPS.items()}
                 raise ValueError(f"rank {self.topology.rank} called {op} while rank {rank} called "
                                  f"{ops.get(int(theirs[0]), 'another operation')}: all ranks must make the same calls")
-            raise ValueError(f"{op}: {names[index]} is {int(mine[index])} on rank {self.topology.rank} but "
-                             f"{int(theirs[index])} on rank {rank}; every rank must pass the same value")
+            shown = (lambda v: _DTYPE_NAMES.get(v, v)) if names[index].endswith("dtype") else (lambda v: v)
+            raise ValueError(f"{op}: {names[index]} is {shown(int(mine[index]))} on rank {self.topology.rank} but "
+                             f"{shown(int(theirs[index]))} on rank {rank}; every rank must pass the same value")
         return gathered[:, _HEADER_FIELDS:]
 
     def _agree_on_route(self, op: str, fields: Dict[str, int], route: "_Route") -> None:
@@ -218,9 +217,9 @@ class ReferenceTransport(Transport):
 
     # ---- normal dispatch ------------------------------------------------------------------------------
     def _dispatch_header(self, x, x_scales, topk_idx, num_channels, **more) -> Dict[str, int]:
-        return dict(hidden=x.shape[1], dtype=_DTYPE_CODES.get(x.dtype, 0),
+        return dict(hidden=x.shape[1], dtype=_dtype_code(x.dtype),
                     num_scales=-1 if x_scales is None else x_scales.shape[1],
-                    scales_dtype=0 if x_scales is None else _DTYPE_CODES.get(x_scales.dtype, 0),
+                    scales_dtype=0 if x_scales is None else _dtype_code(x_scales.dtype),
                     topk=-1 if topk_idx is None else topk_idx.shape[1], num_channels=num_channels, **more)
 
     def _node_masks(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,9 @@ if INTERPRETED:
     def to_bf16(x):
         """float32 -> bfloat16, rounded to nearest even (the interpreter's own cast truncates)."""
         bits = x.to(tl.uint32, bitcast=True)
-        rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)   # a NaN stays a (quiet) NaN
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
     def to_e4m3(x):
