@@ -11,7 +11,7 @@ import torch.distributed as dist
 from .checks import check_expert_ids, check_int, check_tensor
 from .config import (Config, LowLatencyLayout, default_combine_config, default_dispatch_config,
                      low_latency_size_hint, topk_idx_t)
-from .group import Group, Topology, host_id
+from .group import Group, Topology, host_id, unmasked_ranks
 from .low_latency import LowLatencySlots, ReceiveHook
 from .streams import CommStream, stream_of
 from .transport import TRANSPORTS, select_transport, transport_name
@@ -166,7 +166,7 @@ class Buffer:
         try:
             self._transport.destroy(wait_for_gpu=not broken)
             if not broken:
-                self._group.barrier("destroy")
+                self._group.barrier("destroy", unmasked_ranks(self._mask, self.rank))
         finally:   # (released even if the barrier times out)
             self._nvl_buffer = self._rdma_buffer = None
             self._checked_handle = (None, {})
@@ -409,9 +409,10 @@ class Buffer:
         self._receive_streams = [None, None]   # (the clean waits for the GPU: nothing earlier is left to order)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # nothing of this rank in flight once the barrier passes
-        self._group.barrier("clean_low_latency_buffer")
+        ranks = unmasked_ranks(self._mask, self.rank)   # (ranks masked as failed may no longer call)
+        self._group.barrier("clean_low_latency_buffer", ranks)
         self._transport.clean_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._group.barrier("clean_low_latency_buffer")
+        self._group.barrier("clean_low_latency_buffer", ranks)
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,

@@ -66,6 +66,7 @@ class Group:
             self.rank, self.size = comm.Get_rank(), comm.Get_size()
             self.cuda_native, self.cpu_native = False, True
         self._broken: Optional[str] = None
+        self._tag = 0   # of the last point-to-point exchange
 
     # ---- object collectives (construction time) -----------------------------------------------------
     def all_gather_object(self, obj: Any) -> List[Any]:
@@ -110,37 +111,69 @@ class Group:
         return [row[len(values):] for row in everyone]
 
     # ---- tensor collectives ---------------------------------------------------------------------------
-    def all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        """All ranks' `tensor` stacked along a new first dim."""
+    # `ranks`: only these ranks take part (low-latency calls skip the ranks a shrink mask marks failed, which
+    # may no longer call at all); they exchange point to point, and every one of them must pass the same list.
+    def all_gather(self, tensor: torch.Tensor, what: str, ranks: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """All ranks' `tensor` stacked along a new first dim (with `ranks`, zeros for the others)."""
         self._check_usable()
-        staged = self._stage(tensor)
-        flat = staged.new_empty(self.size * staged.numel())
-        work = _all_gather_single(flat, staged.contiguous().view(-1), group=self._torch_group(), async_op=True)
-        self.wait(work, what, flat)
-        return flat.view(self.size, *staged.shape).to(tensor.device)
+        staged = self._stage(tensor).contiguous()
+        if ranks is None:
+            flat = staged.new_empty(self.size * staged.numel())
+            work = _all_gather_single(flat, staged.view(-1), group=self._torch_group(), async_op=True)
+            self.wait(work, what, flat)
+            return flat.view(self.size, *staged.shape).to(tensor.device)
+        gathered = staged.new_zeros((self.size, *staged.shape))
+        gathered[self.rank] = staged
+        peers = [r for r in ranks if r != self.rank]
+        for work in self._point_to_point({r: staged for r in peers}, {r: gathered[r] for r in peers}):
+            self.wait(work, what, gathered)
+        return gathered.to(tensor.device)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]],
-                   input_splits: Optional[Sequence[int]], what: str) -> "PendingAllToAll":
+                   input_splits: Optional[Sequence[int]], what: str,
+                   ranks: Optional[Sequence[int]] = None) -> "PendingAllToAll":
         """Start `all_to_all_single` of rows (dim 0; `output` contiguous); `.wait()` on the result completes it
         (bounded) and fills `output`. Rows travel as bytes, so every dtype moves bit for bit, also those the
-        backend has no reduction type for (gloo: float8, 16- and 64-bit unsigned, ...)."""
+        backend has no reduction type for (gloo: float8, 16- and 64-bit unsigned, ...). With `ranks`, the
+        splits of the other ranks must be 0."""
         self._check_usable()
         if not output.is_contiguous():
             raise ValueError("all_to_all: output must be contiguous")
         staged_out, staged_in = self._stage(rows_as_bytes(output), empty=True), self._stage(rows_as_bytes(input.contiguous()))
-        work = dist.all_to_all_single(staged_out, staged_in, list(output_splits) if output_splits is not None else None,
-                                      list(input_splits) if input_splits is not None else None,
-                                      group=self._torch_group(), async_op=True)
-        return PendingAllToAll(self, work, what, output, staged_out)
+        if ranks is None:
+            works = [dist.all_to_all_single(staged_out, staged_in,
+                                            list(output_splits) if output_splits is not None else None,
+                                            list(input_splits) if input_splits is not None else None,
+                                            group=self._torch_group(), async_op=True)]
+            return PendingAllToAll(self, works, what, output, staged_out)
+        sends, receives = _blocks(staged_in, input_splits, self.size), _blocks(staged_out, output_splits, self.size)
+        staged_out_own = receives[self.rank]
+        staged_out_own.copy_(sends[self.rank])
+        peers = [r for r in ranks if r != self.rank]
+        works = self._point_to_point({r: sends[r] for r in peers if sends[r].numel()},
+                                     {r: receives[r] for r in peers if receives[r].numel()})
+        return PendingAllToAll(self, works, what, output, staged_out)
 
-    def barrier(self, what: str) -> None:
+    def barrier(self, what: str, ranks: Optional[Sequence[int]] = None) -> None:
         self._check_not_broken()
         if self.group is None:
             self.comm.Barrier()
             return
         marker = torch.zeros(1, device=self._collective_device())
+        if ranks is not None:
+            self.all_gather(marker, what, ranks)
+            return
         work = dist.all_reduce(marker, group=self.group, async_op=True)
         self.wait(work, what, marker)
+
+    def _point_to_point(self, sends: Dict[int, torch.Tensor], receives: Dict[int, torch.Tensor]) -> List[dist.Work]:
+        """Start sending sends[r] to and receiving receives[r] from group rank r (staged, contiguous tensors).
+        Every exchange gets the next tag (all ranks make the same calls), so its messages match only each other."""
+        self._tag += 1
+        group = self._torch_group()
+        works = [dist.irecv(t, dist.get_global_rank(group, r), group=group, tag=self._tag) for r, t in receives.items()]
+        works += [dist.isend(t, dist.get_global_rank(group, r), group=group, tag=self._tag) for r, t in sends.items()]
+        return works
 
     # ---- waiting --------------------------------------------------------------------------------------
     def wait(self, work: dist.Work, what: str, result: torch.Tensor) -> None:
@@ -219,16 +252,36 @@ def rows_as_bytes(rows: torch.Tensor) -> torch.Tensor:
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
+def unmasked_ranks(mask: Optional[torch.Tensor], rank: int) -> Optional[List[int]]:
+    """The ranks a low-latency step exchanges with under a shrink mask (nonzero: failed): `rank` itself and
+    every unmasked rank; None (the whole group) without a mask or with none masked."""
+    if mask is None:
+        return None
+    flags = mask.tolist()
+    if not any(flags):
+        return None
+    return [r for r, masked in enumerate(flags) if r == rank or not masked]
+
+
+def _blocks(rows: torch.Tensor, splits: Optional[Sequence[int]], size: int) -> List[torch.Tensor]:
+    """The row blocks of `rows` by rank (equal blocks without splits)."""
+    if splits is None:
+        splits = [rows.shape[0] // size] * size
+    return list(torch.split(rows, list(splits)))
+
+
 class PendingAllToAll:
     """An all-to-all in flight; `wait()` completes it within the group's timeout."""
 
-    def __init__(self, group: Group, work: dist.Work, what: str, output: torch.Tensor, staged: torch.Tensor) -> None:
-        self.group, self.work, self.what, self.output, self.staged = group, work, what, output, staged
+    def __init__(self, group: Group, works: List[dist.Work], what: str, output: torch.Tensor,
+                 staged: torch.Tensor) -> None:
+        self.group, self.works, self.what, self.output, self.staged = group, works, what, output, staged
         self.done = False
 
     def wait(self) -> torch.Tensor:
         if not self.done:
-            self.group.wait(self.work, self.what, self.staged)
+            for work in self.works:
+                self.group.wait(work, self.what, self.staged)
             target = rows_as_bytes(self.output)
             if target.data_ptr() != self.staged.data_ptr():
                 target.copy_(self.staged)

@@ -698,6 +698,38 @@ def run_shrink(chk: Checker, ctx, seed: int, masked: List[int]) -> None:
     rounds("zeroed", None, [7, 8])
 
 
+def run_shrink_absent(chk: Checker, ctx, seed: int) -> None:
+    """enable_shrink with a rank that fails for good: after one full round the last rank stops calling; the
+    others mask it and go on (dispatch, combine, clean_low_latency_buffer, destroy) without waiting for it."""
+    num_ranks, rank = ctx.world_size, ctx.rank
+    absent = num_ranks - 1
+    e_loc, n, hidden = 2, 8, 256
+    num_experts = e_loc * num_ranks
+    buf = make_buffer(ctx, n, hidden, num_experts, enable_shrink=True, explicitly_destroy=True)
+    case = dict(name="shrink-absent", tokens=[n - s for s in range(num_ranks)], hidden=hidden, topk=3,
+                experts_per_rank=e_loc, mask_frac=0.1)
+    srcs = make_sources(seed, case, num_ranks)
+
+    def rounds(tag: str, mask_state: M.Masks, ids: List[int]) -> None:
+        regs = [M.dispatch_region(srcs, g, num_experts, mask_state) for g in range(num_ranks)]
+        for i in ids:
+            opts = round_options(i)
+            opts["stats"] = True
+            chk.at(f"shrink, rank {absent} absent, {tag} opts={opts}")
+            run_round(chk, ctx, buf, seed, ("shrink-absent", tag, i), srcs, regs, n, num_experts, opts, mask_state)
+
+    rounds("everyone", None, [0])
+    if rank == absent:
+        return   # (its Buffer is left as it is: a failed rank does nothing more)
+    masks = [[int(g == absent) for g in range(num_ranks)] for _ in range(num_ranks)]
+    masks[absent] = [1] * num_ranks
+    buf.low_latency_update_mask_buffer(absent, mask=True)
+    rounds("masked", masks, [1, 2, 3])
+    buf.clean_low_latency_buffer(n, hidden, num_experts)
+    rounds("masked, after a clean", masks, [4, 5])
+    buf.destroy()
+
+
 # ---------------------------------------------------------------------------------------------------
 # the cases of each world size
 # ---------------------------------------------------------------------------------------------------
@@ -750,7 +782,8 @@ def run_all(ctx, seed: int, names: List[str]) -> List[str]:
     steps += [("pipeline", lambda: run_pipeline(chk, ctx, seed, False)),
               ("misuse", lambda: run_pipeline(chk, ctx, seed, True)),
               ("switch", lambda: run_switch(chk, ctx, seed)),
-              ("shrink", lambda: run_shrink(chk, ctx, seed, [ctx.world_size - 1] if ctx.world_size < 4 else [1, 3]))]
+              ("shrink", lambda: run_shrink(chk, ctx, seed, [ctx.world_size - 1] if ctx.world_size < 4 else [1, 3])),
+              ("shrink-absent", lambda: run_shrink_absent(chk, ctx, seed))]   # (last: one rank leaves early)
     for name, step in steps:
         if names and name not in names:
             continue

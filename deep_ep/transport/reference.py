@@ -20,7 +20,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..fp8 import logfmt_roundtrip, num_scale_groups, pack_ue8m0, per_token_cast_to_fp8
-from ..group import Group, Topology, rows_as_bytes
+from ..group import Group, Topology, rows_as_bytes, unmasked_ranks
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
@@ -136,8 +136,10 @@ class ReferenceTransport(Transport):
         weakref.finalize(key, self._routes.pop, id(key), None)
 
     # ---- agreement --------------------------------------------------------------------------------
-    def _agree(self, op: str, fields: Dict[str, int], extra: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """All-gather this rank's header; raise on every rank if any rank's operation or shapes differ.
+    def _agree(self, op: str, fields: Dict[str, int], extra: Optional[torch.Tensor] = None,
+               ranks: Optional[List[int]] = None) -> torch.Tensor:
+        """All-gather this rank's header (among `ranks`, default all); raise on every rank if any rank's
+        operation or shapes differ.
 
         Returns the gathered `extra` rows ([R, 2 * R + 1]: up to 2 * R + 1 values a rank, e.g.
         `num_tokens_per_rank`), which must have the same length on every rank for the same operation."""
@@ -148,9 +150,9 @@ class ReferenceTransport(Transport):
         header[:len(values)] = torch.tensor(values, dtype=torch.int64)
         if extra is not None:
             header[_HEADER_FIELDS:_HEADER_FIELDS + extra.numel()] = extra.to("cpu", torch.int64)
-        gathered = self.group.all_gather(header, f"{op} (header exchange)")
+        gathered = self.group.all_gather(header, f"{op} (header exchange)", ranks)
         mine = gathered[self.topology.rank, :len(values)]
-        for rank in range(self.topology.num_ranks):
+        for rank in range(self.topology.num_ranks) if ranks is None else ranks:
             theirs = gathered[rank, :len(values)]
             if torch.equal(theirs, mine):
                 continue
@@ -183,17 +185,19 @@ class ReferenceTransport(Transport):
                              f"handle has {int(received[destination, source])} from rank {source}); every rank must "
                              "pass its handle of the same dispatch")
 
-    def _exchange_counts(self, per_destination: torch.Tensor, what: str) -> torch.Tensor:
-        """All-to-all of one int64 row per destination rank: returns one row per source rank."""
+    def _exchange_counts(self, per_destination: torch.Tensor, what: str,
+                         ranks: Optional[List[int]] = None) -> torch.Tensor:
+        """All-to-all of one int64 row per destination rank: returns one row per source rank (zeros for
+        ranks outside `ranks`)."""
         send = per_destination.to(torch.int64).contiguous()
-        recv = torch.empty_like(send)
-        self.group.all_to_all(recv, send, None, None, what).wait()
+        recv = torch.zeros_like(send)
+        self.group.all_to_all(recv, send, None, None, what, ranks).wait()
         return recv
 
     def _exchange_rows(self, packed: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-                       what: str):
+                       what: str, ranks: Optional[List[int]] = None):
         recv = packed.new_empty((sum(recv_splits), packed.shape[1]))
-        return self.group.all_to_all(recv, packed, recv_splits, send_splits, what)
+        return self.group.all_to_all(recv, packed, recv_splits, send_splits, what, ranks)
 
     # ---- layout -------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
@@ -472,11 +476,12 @@ class ReferenceTransport(Transport):
                              hook):
         mask = None if mask is None else mask.clone()  # the mask as of this call, also for its receive hook
         topo = self.topology
+        ranks = unmasked_ranks(mask, topo.rank)   # (masked ranks take no part: they may no longer call)
         num_ranks, hidden = topo.num_ranks, x.shape[1]
         experts_per_rank = num_experts // num_ranks
         self._agree("low_latency_dispatch", dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
                                         use_fp8=int(options.use_fp8), round_scale=int(options.round_scale),
-                                        use_ue8m0=int(options.use_ue8m0), topk=topk_idx.shape[1]))
+                                        use_ue8m0=int(options.use_ue8m0), topk=topk_idx.shape[1]), ranks=ranks)
         num_tokens, topk = topk_idx.shape
         selected = topk_idx >= 0
         if mask is not None:
@@ -487,7 +492,7 @@ class ReferenceTransport(Transport):
         order = torch.sort(expert, stable=True).indices         # by expert, then (token, slot)
         token, expert = token[order], expert[order]
         send_expert_counts = torch.bincount(expert, minlength=num_experts).view(num_ranks, experts_per_rank)
-        sent_counts = self._exchange_counts(send_expert_counts, "low_latency_dispatch (count exchange)").cpu()
+        sent_counts = self._exchange_counts(send_expert_counts, "low_latency_dispatch (count exchange)", ranks).cpu()
         recv_expert_counts = sent_counts.clone()          # [R, E_loc]; rows from masked sources are dropped
         if mask is not None:
             recv_expert_counts[mask.cpu() != 0] = 0
@@ -502,9 +507,9 @@ class ReferenceTransport(Transport):
         packer.add("expert", (expert % experts_per_rank).to(torch.int32))
         # the rows travel alone (no packing copy), the small per-row fields packed beside them
         pending_x = self._exchange_rows(_take(data, token), send_splits, recv_splits,
-                                        "low_latency_dispatch (data exchange)")
+                                        "low_latency_dispatch (data exchange)", ranks)
         pending = self._exchange_rows(packer.pack(token.numel(), x.device), send_splits, recv_splits,
-                                      "low_latency_dispatch (data exchange)")
+                                      "low_latency_dispatch (data exchange)", ranks)
 
         slots = num_ranks * num_max_tokens
         dev = x.device
@@ -551,11 +556,12 @@ class ReferenceTransport(Transport):
                             mask, out, wait_stats, half, hook):
         mask = None if mask is None else mask.clone()  # the mask as of this call, also for its receive hook
         topo = self.topology
+        ranks = unmasked_ranks(mask, topo.rank)
         num_ranks = topo.num_ranks
         experts_per_rank, hidden = x.shape[0], x.shape[2]
         num_experts = experts_per_rank * num_ranks
         self._agree("low_latency_combine", dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
-                                       use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]))
+                                       use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]), ranks=ranks)
         counts = (layout_range & 0xFFFFFFFF).cpu()                                        # [E_loc, R]
         begins = (layout_range >> 32).cpu()
         # rows to return, grouped by source rank, then local expert (each block in slot order)
@@ -576,11 +582,11 @@ class ReferenceTransport(Transport):
         packer.add("token", src_info[expert_ids, positions])
         packer.add("expert", (expert_ids + topo.rank * experts_per_rank).to(torch.int32))
         send_splits = per_source.tolist()
-        recv_splits = self._exchange_counts(per_source.view(num_ranks, 1),
-                                            "low_latency_combine (count exchange)").view(-1).tolist()
-        pending_x = self._exchange_rows(rows, send_splits, recv_splits, "low_latency_combine (data exchange)")
+        recv_splits = self._exchange_counts(per_source.view(num_ranks, 1), "low_latency_combine (count exchange)",
+                                            ranks).view(-1).tolist()
+        pending_x = self._exchange_rows(rows, send_splits, recv_splits, "low_latency_combine (data exchange)", ranks)
         pending = self._exchange_rows(packer.pack(total, x.device), send_splits, recv_splits,
-                                      "low_latency_combine (data exchange)")
+                                      "low_latency_combine (data exchange)", ranks)
         num_tokens = topk_idx.shape[0]
 
         def receive() -> None:
