@@ -636,6 +636,19 @@ def run_switch(chk: Checker, ctx, seed: int) -> None:
     ll("after-clean-back", shapes[0], 2)
 
 
+def shrink_rounds(chk: Checker, ctx, buf, seed: int, srcs: List[M.Source], n: int, num_experts: int, label: str):
+    """rounds(tag, masks, ids): dispatch + combine rounds with wait statistics, checked against the model under
+    `masks`."""
+    def rounds(tag: str, mask_state: M.Masks, ids: List[int]) -> None:
+        regs = [M.dispatch_region(srcs, g, num_experts, mask_state) for g in range(ctx.world_size)]
+        for i in ids:
+            opts = round_options(i)
+            opts["stats"] = True
+            chk.at(f"{label} {tag} opts={opts}")
+            run_round(chk, ctx, buf, seed, (label, tag, i), srcs, regs, n, num_experts, opts, mask_state)
+    return rounds
+
+
 def run_shrink(chk: Checker, ctx, seed: int, masked: List[int]) -> None:
     """enable_shrink: unmasked ranks mask `masked`; a masked rank masks every rank (it is cut off). Then
     the mask is cleared and full results come back."""
@@ -649,13 +662,7 @@ def run_shrink(chk: Checker, ctx, seed: int, masked: List[int]) -> None:
     masks = [[1] * num_ranks if r in masked else [int(g in masked) for g in range(num_ranks)]
              for r in range(num_ranks)]
 
-    def rounds(tag: str, mask_state: M.Masks, ids: List[int]) -> None:
-        regs = [M.dispatch_region(srcs, g, num_experts, mask_state) for g in range(num_ranks)]
-        for i in ids:
-            opts = round_options(i)
-            opts["stats"] = True
-            chk.at(f"shrink masked={masked} {tag} opts={opts}")
-            run_round(chk, ctx, buf, seed, ("shrink", tag, i), srcs, regs, n, num_experts, opts, mask_state)
+    rounds = shrink_rounds(chk, ctx, buf, seed, srcs, n, num_experts, f"shrink masked={masked}")
 
     def query(expected: List[int], what: str) -> None:
         status = torch.full((num_ranks,), -7, dtype=torch.int32, device=ctx.device)
@@ -710,13 +717,7 @@ def run_shrink_absent(chk: Checker, ctx, seed: int) -> None:
                 experts_per_rank=e_loc, mask_frac=0.1)
     srcs = make_sources(seed, case, num_ranks)
 
-    def rounds(tag: str, mask_state: M.Masks, ids: List[int]) -> None:
-        regs = [M.dispatch_region(srcs, g, num_experts, mask_state) for g in range(num_ranks)]
-        for i in ids:
-            opts = round_options(i)
-            opts["stats"] = True
-            chk.at(f"shrink, rank {absent} absent, {tag} opts={opts}")
-            run_round(chk, ctx, buf, seed, ("shrink-absent", tag, i), srcs, regs, n, num_experts, opts, mask_state)
+    rounds = shrink_rounds(chk, ctx, buf, seed, srcs, n, num_experts, f"shrink, rank {absent} absent,")
 
     rounds("everyone", None, [0])
     if rank == absent:
