@@ -139,7 +139,9 @@ class Group:
         self._check_usable()
         if not output.is_contiguous():
             raise ValueError("all_to_all: output must be contiguous")
-        staged_out, staged_in = self._stage(rows_as_bytes(output), empty=True), self._stage(rows_as_bytes(input.contiguous()))
+        # (with `ranks` the blocks of the other ranks are not received: staged with the output's contents)
+        staged_out = self._stage(rows_as_bytes(output), empty=ranks is None)
+        staged_in = self._stage(rows_as_bytes(input.contiguous()))
         if ranks is None:
             works = [dist.all_to_all_single(staged_out, staged_in,
                                             list(output_splits) if output_splits is not None else None,
@@ -155,25 +157,31 @@ class Group:
         return PendingAllToAll(self, works, what, output, staged_out)
 
     def barrier(self, what: str, ranks: Optional[Sequence[int]] = None) -> None:
+        """Wait for the ranks (`ranks`, default all; through an mpi4py communicator: all of them, unbounded). A
+        barrier of the whole group also brings every rank's point-to-point tag to the highest one."""
         self._check_not_broken()
         if self.group is None:
             self.comm.Barrier()
             return
-        marker = torch.zeros(1, device=self._collective_device())
         if ranks is not None:
-            self.all_gather(marker, what, ranks)
+            self.all_gather(torch.zeros(1, device=self._collective_device()), what, ranks)
             return
-        work = dist.all_reduce(marker, group=self.group, async_op=True)
-        self.wait(work, what, marker)
+        # (a rank that skipped exchanges while others masked it, e.g. their clean, catches up here)
+        tags = torch.tensor([self._tag], dtype=torch.int64, device=self._collective_device())
+        work = dist.all_reduce(tags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.wait(work, what, tags)
+        self._tag = int(tags.item())
 
     def _point_to_point(self, sends: Dict[int, torch.Tensor], receives: Dict[int, torch.Tensor]) -> List[dist.Work]:
-        """Start sending sends[r] to and receiving receives[r] from group rank r (staged, contiguous tensors).
-        Every exchange gets the next tag (all ranks make the same calls), so its messages match only each other."""
-        self._tag += 1
-        group = self._torch_group()
-        works = [dist.irecv(t, dist.get_global_rank(group, r), group=group, tag=self._tag) for r, t in receives.items()]
-        works += [dist.isend(t, dist.get_global_rank(group, r), group=group, tag=self._tag) for r, t in sends.items()]
-        return works
+        """Start sending sends[r] to and receiving receives[r] from group rank r (staged, contiguous tensors),
+        as one batch (NCCL runs it as a group: separate blocking sends and receives could wait on each other).
+        Every exchange gets the next tag (all ranks make the same calls), so its messages match only each other;
+        tags run in [2^30, 2^31), away from small tags a caller might use on the same group."""
+        self._tag = (self._tag + 1) % (1 << 30)
+        tag, group = (1 << 30) + self._tag, self._torch_group()
+        ops = [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, r), group, tag) for r, t in receives.items()]
+        ops += [dist.P2POp(dist.isend, t, dist.get_global_rank(group, r), group, tag) for r, t in sends.items()]
+        return dist.batch_isend_irecv(ops) if ops else []
 
     # ---- waiting --------------------------------------------------------------------------------------
     def wait(self, work: dist.Work, what: str, result: torch.Tensor) -> None:

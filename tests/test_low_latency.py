@@ -705,6 +705,42 @@ def run_shrink(chk: Checker, ctx, seed: int, masked: List[int]) -> None:
     rounds("zeroed", None, [7, 8])
 
 
+def run_shrink_masks_change(chk: Checker, ctx, seed: int) -> None:
+    """Masks that change over time: the others mask the last rank and clean without it (it sits that out),
+    then everyone clears the masks and cleans together, then the others mask rank 1 (which masks everyone)
+    and go on without it: the point-to-point exchanges stay matched after a rank sat out a clean."""
+    num_ranks, rank = ctx.world_size, ctx.rank
+    if num_ranks < 3:
+        return
+    e_loc, n, hidden = 2, 8, 256
+    num_experts = e_loc * num_ranks
+    buf = make_buffer(ctx, n, hidden, num_experts, enable_shrink=True, explicitly_destroy=True)
+    case = dict(name="shrink-masks-change", tokens=[n - s for s in range(num_ranks)], hidden=hidden, topk=3,
+                experts_per_rank=e_loc, mask_frac=0.1)
+    rounds = shrink_rounds(chk, ctx, buf, seed, make_sources(seed, case, num_ranks), n, num_experts,
+                           "shrink, masks change,")
+
+    def without(gone: int) -> M.Masks:
+        return [[1] * num_ranks if r == gone else [int(g == gone) for g in range(num_ranks)] for r in range(num_ranks)]
+
+    last = num_ranks - 1
+    rounds("everyone", None, [0])
+    if rank != last:
+        buf.low_latency_update_mask_buffer(last, mask=True)
+        buf.clean_low_latency_buffer(n, hidden, num_experts)
+        buf.low_latency_clean_mask_buffer()
+    buf.clean_low_latency_buffer(n, hidden, num_experts)
+    rounds("everyone again", None, [2])
+    for g in range(num_ranks):
+        if without(1)[rank][g]:
+            buf.low_latency_update_mask_buffer(g, mask=True)
+    rounds("without rank 1", without(1), [3, 4])
+    buf.low_latency_clean_mask_buffer()
+    buf.clean_low_latency_buffer(n, hidden, num_experts)
+    rounds("everyone at the end", None, [5])
+    buf.destroy()
+
+
 def run_shrink_absent(chk: Checker, ctx, seed: int) -> None:
     """enable_shrink with a rank that fails for good: after one full round the last rank stops calling; the
     others mask it and go on (dispatch, combine, clean_low_latency_buffer, destroy) without waiting for it."""
@@ -784,6 +820,7 @@ def run_all(ctx, seed: int, names: List[str]) -> List[str]:
               ("misuse", lambda: run_pipeline(chk, ctx, seed, True)),
               ("switch", lambda: run_switch(chk, ctx, seed)),
               ("shrink", lambda: run_shrink(chk, ctx, seed, [ctx.world_size - 1] if ctx.world_size < 4 else [1, 3])),
+              ("shrink-masks-change", lambda: run_shrink_masks_change(chk, ctx, seed)),
               ("shrink-absent", lambda: run_shrink_absent(chk, ctx, seed))]   # (last: one rank leaves early)
     for name, step in steps:
         if names and name not in names:
