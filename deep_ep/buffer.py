@@ -140,7 +140,7 @@ class Buffer:
         if self._rdma_buffer is None:
             self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
         self.transport_name = self._transport.name
-        if low_latency_mode or self.group_size > 8:   # (DeepEP sets it where it starts NVSHMEM)
+        if low_latency_mode or self.topology.is_internode:   # (DeepEP sets it where it starts NVSHMEM)
             self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
         self._group.barrier("Buffer construction")
         self.runtime: Optional[object] = self._transport   # (set last: a Buffer whose construction failed has none)
@@ -293,6 +293,7 @@ class Buffer:
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("dispatch: pass either handle (cached dispatch) or topk_idx/topk_weights, not both")
+            handle = tuple(handle) if isinstance(handle, list) else handle   # (DeepEP takes a list too)
             self._check_handle("handle", handle, num_tokens, num_channels)
             self._check_nvl_capacity("dispatch", config, self._dispatch_row_bytes(data, scales, None))
             run = lambda: self._transport.cached_dispatch(data, scales, handle, num_channels)  # noqa: E731
@@ -365,6 +366,7 @@ class Buffer:
         config = config if config is not None else self._default_config(self.get_combine_config)
         num_channels = self._check_config(config)
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        handle = tuple(handle) if isinstance(handle, list) else handle   # (DeepEP takes a list too)
         num_tokens, num_rows = self._check_handle("handle", handle, None, num_channels)
         check_tensor("x", x, device=self.device, dtype=torch.bfloat16, shape=(num_rows, None))
         if x.shape[1] % 8:
@@ -666,7 +668,7 @@ class Buffer:
                              "(Buffer.get_low_latency_rdma_size_hint)")
 
     def _check_low_latency_handle(self, handle) -> Tuple[torch.Tensor, torch.Tensor, int, int, int]:
-        if not isinstance(handle, tuple) or len(handle) != 5:
+        if not isinstance(handle, (tuple, list)) or len(handle) != 5:
             raise ValueError("handle must be the 5-tuple returned by low_latency_dispatch")
         src_info, layout_range, num_max_tokens, hidden, num_experts = handle
         experts_per_rank = self._check_num_experts(num_experts)
@@ -722,8 +724,9 @@ class Buffer:
     def _check_stream_args(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap or None, got {type(previous_event).__name__}")
-        if allocate_on_comm_stream and (previous_event is None or not async_finish):
-            raise ValueError("allocate_on_comm_stream=True requires previous_event and async_finish=True")
+        if allocate_on_comm_stream and (previous_event is None or previous_event.event is None or not async_finish):
+            raise ValueError("allocate_on_comm_stream=True requires previous_event (an EventOverlap holding an "
+                             "event) and async_finish=True")
 
     def _check_dispatch_x(self, x: Tensors) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if isinstance(x, tuple):

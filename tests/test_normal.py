@@ -256,6 +256,10 @@ def run_cases(ctx, seed: int, cases: List[Dict[str, Any]], ranks_per_node: Optio
         kwargs["transport"] = transport
     buffer = Buffer(ctx.group, num_nvl_bytes or nvl_bytes(), 0, **kwargs)
     errors: List[str] = []
+    internode = model.num_nodes_of(ctx.world_size, ranks_per_node) > 1
+    if hasattr(buffer, "nvshmem_qp_depth") != internode:   # (spec 1.6: where DeepEP starts NVSHMEM)
+        errors.append(f"rank {ctx.rank}: nvshmem_qp_depth {'missing' if internode else 'set'} on a buffer of "
+                      f"{'several nodes' if internode else 'one node'}")
     for case in cases:
         chk = Checker(seed, case["name"], ctx.rank)
         try:
@@ -683,6 +687,12 @@ def run_argument_semantics(ctx, seed: int, case: Dict[str, Any]) -> List[str]:
     chk.x_equal("cached dispatch with ignored arguments recv_x", ignored[0], expected.recv_x)
     chk.true("cached dispatch with ignored arguments: (recv_x, None, None, None, None, event)",
              all(v is None for v in ignored[1:5]), f"got {[type(v).__name__ for v in ignored[1:5]]}")
+    # a handle kept as a list serves as the tuple does (DeepEP only unpacks it)
+    chk.x_equal("cached dispatch through a list handle recv_x", buffer.dispatch(me.x.to(dev), handle=list(padded[4]))[0],
+                expected.recv_x)
+    y = padded[0] if not isinstance(padded[0], tuple) else padded[0][0]
+    chk.equal("combine through a list handle", buffer.combine(y, list(padded[4]))[0].cpu(),
+              buffer.combine(y, padded[4])[0].cpu())
     # ranks passing rows of different dtypes (same hidden) are refused together, naming the dtype
     odd = me.x.view(torch.int16).to(torch.int32 if rank == 0 else torch.float32)
     try:
