@@ -441,9 +441,13 @@ class ReferenceTransport(Transport):
         token = route.token
 
         # f32(bias0) + f32(bias1) in one add, an absent bias +0 (two -0 biases give -0, as in DeepEP)
-        first, second = (torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device) if bias is None
-                         else bias.float() for bias in biases)
-        combined = first + second
+        present = [bias.float() for bias in biases if bias is not None]
+        if len(present) == 2:
+            combined = present[0] + present[1]
+        else:
+            combined = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+            if present:
+                combined += present[0]
         combined_weights = None
         if topk_weights is not None:
             combined_weights = torch.zeros((num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
