@@ -1,6 +1,7 @@
-"""Argument checks that name the argument and the expected value."""
+"""Argument checks that name the argument and the expected value, and the message for ranks that disagree."""
 from __future__ import annotations
 
+import zlib
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -60,3 +61,23 @@ def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> Non
     if low < -1 or high >= num_experts:
         bad = low if low < -1 else high
         raise ValueError(f"{name} entries must be -1 or in [0, {num_experts}), found {bad}")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A number for every dtype, the same in every process (for exchanges of call descriptions)."""
+    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
+
+
+_DTYPE_NAMES = {dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def disagreement(op: str, names: Sequence[str], mine: Sequence[int], theirs: Sequence[int], rank: int,
+                 other: int) -> Optional[str]:
+    """The error message for the first field of `names` whose value on rank `other` (`theirs`) differs from
+    this rank's (`mine`), or None when all agree. Fields whose name ends in "dtype" hold `dtype_code`s."""
+    for name, a, b in zip(names, mine, theirs):
+        if a != b:
+            shown = (lambda v: _DTYPE_NAMES.get(v, v)) if name.endswith("dtype") else (lambda v: v)
+            return (f"{op}: {name} is {shown(a)} on rank {rank} but {shown(b)} on rank {other}; every rank must "
+                    "pass the same value")
+    return None

@@ -692,14 +692,21 @@ def run_argument_semantics(ctx, seed: int, case: Dict[str, Any]) -> List[str]:
                 expected.recv_x)
     chk.equal("combine through a list handle", buffer.combine(padded[0], list(padded[4]))[0].cpu(),
               buffer.combine(padded[0], padded[4])[0].cpu())
-    # ranks passing rows of different dtypes (same hidden) are refused together, naming the dtype
-    odd = me.x.view(torch.int16).to(torch.int32 if rank == 0 else torch.float32)
-    try:
-        buffer.dispatch(odd.to(dev), handle=padded[4])
-        chk.fail("dtypes differing between ranks", "nothing was raised")
-    except ValueError as error:
-        chk.true("dtypes differing between ranks: the message names them", "torch.int32" in str(error)
-                 and "torch.float32" in str(error), str(error))
+    # ranks passing rows of different dtypes (same hidden, same element size) are refused together, naming
+    # both; a cached dispatch too where it waits for the host (the reference transport: the NVLink one does not)
+    odd = me.x.view(torch.int16).to(torch.int32 if rank == 0 else torch.float32).to(dev)
+    calls = {"dispatch": lambda: buffer.dispatch(odd, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert)}
+    if buffer.transport_name == "reference":
+        calls["cached dispatch"] = lambda: buffer.dispatch(odd, handle=padded[4])
+    for what, call in calls.items():
+        try:
+            call()
+            chk.fail(f"{what}: dtypes differing between ranks", "nothing was raised")
+        except ValueError as error:
+            chk.true(f"{what}: dtypes differing between ranks: the message names them",
+                     all(part in str(error) for part in ("dtype is torch.", "torch.int32", "torch.float32")),
+                     str(error))
     # combine weights of top-k 1 whose one column has a stride other than 1 (contiguous all the same)
     num_recv = padded[0].shape[0]
     column = torch.rand(num_recv, generator=generator(seed, "column", rank)).reshape(1, num_recv).t()

@@ -493,7 +493,8 @@ def test_nvlink_errors(pool):
     finally:
         get_pool(2).restart()   # rank 0's Buffer is broken after the timeout
     for rank, r in enumerate(results):
-        assert r["mismatch"].startswith("ValueError") and "rank" in r["mismatch"], r["mismatch"]
+        assert r["mismatch"].startswith("ValueError: dispatch: hidden is ") and "256 on rank" in r["mismatch"] \
+            and "512 on rank" in r["mismatch"], r["mismatch"]
         assert r["bad_expert"].startswith("ValueError"), r["bad_expert"]
         if rank == 1:
             assert "topk_idx" in r["bad_expert"] and "9" in r["bad_expert"], r["bad_expert"]

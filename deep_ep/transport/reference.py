@@ -14,23 +14,17 @@ from __future__ import annotations
 
 import itertools
 import weakref
-import zlib
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ..checks import disagreement, dtype_code
 from ..fp8 import logfmt_roundtrip, num_scale_groups, pack_ue8m0, per_token_cast_to_fp8
 from ..group import Group, Topology, rows_as_bytes, unmasked_ranks
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
-def _dtype_code(dtype: torch.dtype) -> int:
-    """A number for every dtype, the same in every process (for the header exchange)."""
-    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
-
-
-_DTYPE_NAMES = {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
 # rows are selected as integers of their element size: index_select has no kernel for some dtypes (float8,
 # unsigned ints in older releases), and 16-bit integers are several times faster than 16-bit floats on CPUs
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
@@ -156,15 +150,12 @@ class ReferenceTransport(Transport):
             theirs = gathered[rank, :len(values)]
             if torch.equal(theirs, mine):
                 continue
-            names = ["operation", "call number"] + list(fields)
-            index = int((theirs != mine).nonzero()[0])
-            if index == 0:
+            if theirs[0] != mine[0]:
                 ops = {v: k for k, v in _OPS.items()}
                 raise ValueError(f"rank {self.topology.rank} called {op} while rank {rank} called "
                                  f"{ops.get(int(theirs[0]), 'another operation')}: all ranks must make the same calls")
-            shown = (lambda v: _DTYPE_NAMES.get(v, v)) if names[index].endswith("dtype") else (lambda v: v)
-            raise ValueError(f"{op}: {names[index]} is {shown(int(mine[index]))} on rank {self.topology.rank} but "
-                             f"{shown(int(theirs[index]))} on rank {rank}; every rank must pass the same value")
+            raise ValueError(disagreement(op, ["call number"] + list(fields), mine[1:].tolist(), theirs[1:].tolist(),
+                                          self.topology.rank, rank))
         return gathered[:, _HEADER_FIELDS:]
 
     def _agree_on_route(self, op: str, fields: Dict[str, int], route: "_Route") -> None:
@@ -221,9 +212,9 @@ class ReferenceTransport(Transport):
 
     # ---- normal dispatch ------------------------------------------------------------------------------
     def _dispatch_header(self, x, x_scales, topk_idx, num_channels, **more) -> Dict[str, int]:
-        return dict(hidden=x.shape[1], dtype=_dtype_code(x.dtype),
+        return dict(hidden=x.shape[1], dtype=dtype_code(x.dtype),
                     num_scales=-1 if x_scales is None else x_scales.shape[1],
-                    scales_dtype=0 if x_scales is None else _dtype_code(x_scales.dtype),
+                    scales_dtype=0 if x_scales is None else dtype_code(x_scales.dtype),
                     topk=-1 if topk_idx is None else topk_idx.shape[1], num_channels=num_channels, **more)
 
     def _node_masks(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:

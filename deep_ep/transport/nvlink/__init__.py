@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
+from ...checks import disagreement, dtype_code
 from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology
 from ..base import DispatchOutput, Transport
@@ -261,11 +262,13 @@ class NVLinkTransport(Transport):
         experts_per_rank = num_experts // R
         self._begin(C)
         geometry = self._dispatch_geometry(x, x_scales, topk_idx, C)
-        shapes = (x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1],
-                  0 if topk_idx is None else topk_idx.shape[1], topk_weights is not None, C, num_experts)
-        signature = self._signatures.get(shapes)
+        call = _DispatchCall(x.shape[1], dtype_code(x.dtype), -1 if x_scales is None else x_scales.shape[1],
+                             0 if x_scales is None else dtype_code(x_scales.dtype),
+                             -1 if topk_idx is None else topk_idx.shape[1], int(topk_weights is not None), C,
+                             num_experts)
+        signature = self._signatures.get(call)
         if signature is None:
-            signature = self._signatures[shapes] = _signature("dispatch", *shapes, self.total_words)
+            signature = self._signatures[call] = _signature("dispatch", *call, self.total_words)
         key = ("notify", C, num_experts, bool(num_worst_tokens))
         prepare, notify, fill_plan, plan_tables = self._launch(key, lambda: self._notify_launches(key))
         before = torch.empty((num_tokens + 1, R), dtype=torch.int32, device=dev)
@@ -293,7 +296,7 @@ class NVLinkTransport(Transport):
         if num_worst_tokens:
             num_rows, aligned_list, most = num_worst_tokens, [], (None, None)
         else:
-            num_rows, aligned_list, most = self._wait_counts(payload, signature, num_experts)
+            num_rows, aligned_list, most = self._wait_counts(payload, signature, call)
         plan = _Plan(before, recv_count, recv_base, prefix, push_row0, combine_row0, C, *most)
         out = self._run_dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank, plan, num_rows,
                                  rank * experts_per_rank, experts_per_rank, geometry)
@@ -335,18 +338,27 @@ class NVLinkTransport(Transport):
         offsets = tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
         return prepare, notify, plan, offsets
 
-    def _wait_counts(self, payload, signature, num_experts):
+    def _wait_counts(self, payload, signature: int, call: "_DispatchCall"):
         """The API's host wait for the received counts; with it, every rank learns whether all ranks called
         with the same shapes and valid values, and if not, all of them raise before any row moves."""
         host = payload.cpu().tolist()
         self._check_status()
         R, rank = self.topology.num_ranks, self.topology.rank
+        num_experts = call.num_experts
         E_loc = len(host) - 1 - 2 * R - 6
         num_recv, aligned = host[0], host[1:1 + E_loc]
         signatures, flags = host[1 + E_loc:1 + E_loc + R], host[1 + E_loc + R:1 + E_loc + 2 * R]
         own_flags, low, high, layout_value, max_recv_rows, max_send_rows = host[1 + E_loc + 2 * R:]
         others = [r for r, s in enumerate(signatures) if s != signature]
         if others:
+            # every rank sees a difference; when all of them wait here they compare the calls to name it
+            if not any(f & 8 for f in flags):
+                calls = self.group.all_gather(torch.tensor(call, dtype=torch.int64), "dispatch (comparing the calls)")
+                for other in others:
+                    message = disagreement("dispatch", _DispatchCall._fields, list(call), calls[other].tolist(), rank,
+                                           other)
+                    if message:
+                        raise ValueError(message)
             raise ValueError(f"dispatch: rank(s) {others} called dispatch with a different hidden size, dtype, scales, "
                              f"top-k, num_experts or config than rank {rank}; every rank must pass the same shapes")
         if flags[rank] & 1:
@@ -584,6 +596,18 @@ def _before(is_token_in_rank: torch.Tensor) -> torch.Tensor:
                          device=is_token_in_rank.device)
     torch.cumsum(is_token_in_rank, dim=0, dtype=torch.int32, out=counts[1:])
     return counts
+
+
+class _DispatchCall(NamedTuple):
+    """What every rank's non-cached dispatch must agree on (dtypes as `checks.dtype_code`s; -1: absent)."""
+    hidden: int
+    dtype: int
+    num_scales: int
+    scales_dtype: int
+    topk: int
+    topk_weights: int
+    num_channels: int
+    num_experts: int
 
 
 def _signature(*fields) -> int:
