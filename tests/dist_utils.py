@@ -35,6 +35,21 @@ def test_device_kind() -> str:
     return os.environ.get("DEEP_EP_TEST_DEVICE", "cpu")
 
 
+def run_deterministic(ctx: RankContext, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(ctx, *args)` with torch's deterministic algorithms on and new tensors filled (NaN, the largest
+    integer): an op without a deterministic kernel raises, and a kernel that reads memory nobody wrote gets
+    values that show. (Frameworks turn this mode on for reproducible training.)"""
+    import torch.utils.deterministic as deterministic
+    before = torch.are_deterministic_algorithms_enabled(), deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    deterministic.fill_uninitialized_memory = True
+    try:
+        return fn(ctx, *args)
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        deterministic.fill_uninitialized_memory = before[1]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

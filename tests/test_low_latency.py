@@ -894,6 +894,17 @@ def test_low_latency(pool, world_size):
     assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
 
 
+def test_low_latency_in_deterministic_mode(pool):
+    """The 2-rank cases and the pipeline with torch's deterministic algorithms on and new tensors filled with
+    NaN / the largest integer (the transport may rely on no value of memory it did not write)."""
+    from dist_utils import run_deterministic
+    seed = base_seed()
+    names = [f"case {c['name']}" for c in cases_for(2)] + ["pipeline"]
+    results = pool(2).run(run_deterministic, run_all, seed, names)
+    errors = [e for per_rank in results for e in per_rank]
+    assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
+
+
 def test_model_e4m3_encoder_matches_torch_cast():
     """The model's bit-level e4m3 cast agrees with torch's float8 conversion (RNE) on many values, including
     every midpoint between neighbouring e4m3 values and its float32 neighbours (ties to even)."""

@@ -586,6 +586,14 @@ def test_intranode(pool, world_size, cases):
     _report(seed, lambda: pool(world_size).run(run_cases, seed, cases))
 
 
+def test_intranode_in_deterministic_mode(pool):
+    """The 2-rank cases with torch's deterministic algorithms on and new tensors filled with NaN / the
+    largest integer (the transport may rely on no value of memory it did not write)."""
+    from dist_utils import run_deterministic
+    seed = base_seed()
+    _report(seed, lambda: pool(2).run(run_deterministic, run_cases, seed, CASES_2))
+
+
 def test_internode_2_nodes_x_2_ranks(pool):
     seed = base_seed()
     cases = CASES_2X2 + random_cases(seed, 4, 3, internode=True) + [
