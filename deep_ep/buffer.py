@@ -25,6 +25,11 @@ MAX_EXPERTS_PER_RANK = 1024
 Tensors = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of `device` (a CUDA device) is capturing a CUDA graph."""
+    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+
+
 def _shown_argument(name: str, value: int) -> Any:
     """A Buffer argument as gathered (an int) back in the caller's terms, for error messages."""
     if name == "transport":
@@ -75,6 +80,9 @@ class Buffer:
             timeout_s: bound of every wait in seconds (default 100, or $DEEP_EP_TIMEOUT_S).
             device: where the tensors live; default the current CUDA device, else the CPU.
         """
+        if torch.cuda.is_available() and _capturing(torch.device("cuda")):
+            raise RuntimeError("Buffer cannot be constructed inside a CUDA graph capture (it allocates memory and "
+                               "exchanges it with the other ranks on the host): create it before capturing")
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0, multiple_of=128)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0, multiple_of=128)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1 if low_latency_mode else 0)
@@ -159,6 +167,7 @@ class Buffer:
         """Release the buffers (collective). Requires `explicitly_destroy=True`."""
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
         self._live("destroy")
+        self._refuse_capture("destroy", "it waits for the GPU and the other ranks on the host")
         self._slots.reset("destroy()")
         # after a failed collective or a timeout the ranks are out of step: release locally, without waiting
         # for the GPU (a collective that never finishes may hold it) or for the other ranks
@@ -175,6 +184,31 @@ class Buffer:
     def _live(self, what: str) -> None:
         if self.runtime is None:
             raise RuntimeError(f"{what}: this Buffer was destroyed; create a new one")
+
+    def _refuse_capture(self, what: str, reason: str) -> None:
+        """RuntimeError (saying `reason`) if the caller's stream is capturing a CUDA graph."""
+        if _capturing(self.device):
+            raise RuntimeError(f"{what} cannot run inside a CUDA graph capture: {reason}")
+
+    def _refuse_host_wait_in_capture(self, what: str, low_latency: bool = False, host_wait: Optional[str] = None,
+                                     num_channels: Optional[int] = None) -> None:
+        """Refuse a data call inside a CUDA graph capture if it would wait on the host: every call of a path
+        that cannot be captured, a call with `host_wait` (why it waits), or a normal-mode call that the
+        transport must prepare on the host for `num_channels`. Runs before anything is queued or exchanged."""
+        transport = self._transport
+        if low_latency and transport.low_latency_graph_capturable:
+            return
+        if not _capturing(self.device):
+            return
+        if not (transport.low_latency_graph_capturable if low_latency else transport.graph_capturable):
+            host_wait = ("this Buffer's {} calls exchange with the other ranks on the host (those of the NVLink "
+                         "transport do not: ranks of one node{})").format(
+                             *(("low-latency", ", num_rdma_bytes > 0 and allow_nvlink_for_low_latency_mode")
+                               if low_latency else ("normal-mode", "")))
+        elif host_wait is None and num_channels is not None:
+            host_wait = transport.capture_host_wait(num_channels)
+        if host_wait is not None:
+            self._refuse_capture(what, host_wait)
 
     # ---- class helpers ------------------------------------------------------------------------------------
     @staticmethod
@@ -244,6 +278,7 @@ class Buffer:
         Returns `(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None within one
         node, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)`."""
         self._live("get_dispatch_layout")
+        self._refuse_host_wait_in_capture("get_dispatch_layout")
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         self._check_topk_idx("topk_idx", topk_idx, num_experts)
         validate = None if self._transport.checks_values_on_device else (
@@ -287,6 +322,9 @@ class Buffer:
         self._live("dispatch")
         config = config if config is not None else self._default_config(self.get_dispatch_config)
         num_channels = self._check_config(config)
+        self._refuse_host_wait_in_capture("dispatch", host_wait=None if handle is not None or num_worst_tokens else (
+            "the host waits for the received count; pass num_worst_tokens (receive buffers of that many rows, "
+            "no host wait) or the handle of an earlier dispatch"), num_channels=num_channels)
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         data, scales = self._check_dispatch_x(x)
         num_tokens = data.shape[0]
@@ -365,6 +403,7 @@ class Buffer:
         self._live("combine")
         config = config if config is not None else self._default_config(self.get_combine_config)
         num_channels = self._check_config(config)
+        self._refuse_host_wait_in_capture("combine", num_channels=num_channels)
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         handle = tuple(handle) if isinstance(handle, list) else handle   # (DeepEP takes a list too)
         num_tokens, num_rows = self._check_handle("handle", handle, None, num_channels)
@@ -405,6 +444,7 @@ class Buffer:
         """Reset the low-latency area for `(N, hidden, num_experts)` (collective). Receive hooks not yet
         called are discarded (calling one afterwards raises)."""
         self._live("clean_low_latency_buffer")
+        self._refuse_capture("clean_low_latency_buffer", "it waits for the GPU and the other ranks on the host")
         self._require_low_latency("clean_low_latency_buffer")
         self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._slots.reset("clean_low_latency_buffer")   # (refused here, before any collective, if a hook runs)
@@ -443,6 +483,7 @@ class Buffer:
             `(src_info, layout_range, N, H, E)`.
         """
         self._live("low_latency_dispatch")
+        self._refuse_host_wait_in_capture("low_latency_dispatch", low_latency=True)
         self._require_low_latency("low_latency_dispatch")
         num_tokens, hidden = self._check_low_latency_x(x, num_max_dispatch_tokens_per_rank)
         self._check_low_latency_flags(async_finish, return_recv_hook)
@@ -504,6 +545,7 @@ class Buffer:
             `(combined_x [T, H] bf16, event, hook)`: bf16 of the fp32 sum over k of `w[t, k] * row`.
         """
         self._live("low_latency_combine")
+        self._refuse_host_wait_in_capture("low_latency_combine", low_latency=True)
         self._require_low_latency("low_latency_combine")
         self._check_low_latency_flags(async_finish, return_recv_hook)
         if zero_copy and use_logfmt:

@@ -956,3 +956,103 @@ def test_clean_or_destroy_refused_while_a_hook_runs():
     slots.reset("destroy()")
     with pytest.raises(RuntimeError, match="discarded by destroy"):
         other()
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA graph capture: calls that would wait on the host are refused with a RuntimeError saying why
+# ---------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _capturing_graph(ctx):
+    """A CUDA graph capture on the caller's stream; on CPU, the Buffer is told that one is under way."""
+    if ctx.device.type == "cuda":
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            yield
+        return
+    import deep_ep.buffer as buffer_module
+    real = buffer_module._capturing
+    buffer_module._capturing = lambda device: True
+    try:
+        yield
+    finally:
+        buffer_module._capturing = real
+
+
+def run_capture_refusals(ctx, transport: str) -> Dict[str, str]:
+    """Each call that waits on the host, inside a capture: its error message ("no error" if none). After the
+    refusals the Buffer still works (nothing was queued or exchanged). The reference transport waits on the host
+    in every call; the NVLink one only in a non-cached dispatch without num_worst_tokens, a change of num_sms,
+    clean_low_latency_buffer and destroy."""
+    n, hidden, experts = 8, 256, 4
+    buf = Buffer(ctx.group, 1 << 24, Buffer.get_low_latency_rdma_size_hint(n, hidden, 2, experts),
+                 low_latency_mode=True, num_qps_per_rank=2, transport=transport, explicitly_destroy=True,
+                 timeout_s=30)
+    g = torch.Generator().manual_seed(1000 + ctx.rank)
+    x = torch.randn((n, hidden), generator=g).to(torch.bfloat16).to(ctx.device)
+    idx = torch.randint(0, experts, (n, 2), generator=g).to(ctx.device)
+    weights = torch.rand((n, 2), generator=g).to(ctx.device)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=weights)
+    config = Config(8, 4, 64)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, config=config, **layout)
+    before = buf.combine(recv_x, handle, config=config)[0]
+    ll_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, n, experts, use_fp8=False)
+    calls = {
+        "dispatch": lambda: buf.dispatch(x, config=config, **layout),
+        "dispatch with num_worst_tokens": lambda: buf.dispatch(x, num_worst_tokens=2 * n, config=config, **layout),
+        "dispatch with num_worst_tokens, other num_sms": lambda: buf.dispatch(x, num_worst_tokens=2 * n,
+                                                                               config=Config(4, 4, 64), **layout),
+        "get_dispatch_layout": lambda: buf.get_dispatch_layout(idx, experts),
+        "combine": lambda: buf.combine(recv_x, handle, config=config),
+        "low_latency_dispatch": lambda: buf.low_latency_dispatch(x, idx, n, experts, use_fp8=False),
+        "low_latency_combine": lambda: buf.low_latency_combine(ll_x, idx, weights, ll_handle),
+        "clean_low_latency_buffer": lambda: buf.clean_low_latency_buffer(n, hidden, experts),
+        "destroy": buf.destroy,
+    }
+    if ctx.device.type == "cuda":
+        calls["Buffer"] = lambda: Buffer(ctx.group, 1 << 24, 0, transport=transport)
+    if transport == "nvlink":   # these would be captured: leave them out
+        for name in ("dispatch with num_worst_tokens", "get_dispatch_layout", "combine", "low_latency_dispatch",
+                     "low_latency_combine"):
+            del calls[name]
+    out: Dict[str, str] = {}
+    for name, call in calls.items():
+        try:
+            with _capturing_graph(ctx):
+                call()
+            out[name] = "no error"
+        except RuntimeError as error:
+            out[name] = str(error)
+    after = buf.combine(buf.dispatch(x, config=config, **layout)[0], handle, config=config)[0]
+    out["combine after the refusals equals the one before"] = str(torch.equal(after, before))
+    buf.destroy()
+    return out
+
+
+# per refused call: (the operation the message names, a word of the reason), by transport
+_REFUSALS = {
+    "dispatch": ("dispatch", "num_worst_tokens"),
+    "dispatch with num_worst_tokens": ("dispatch", "normal-mode"),
+    "dispatch with num_worst_tokens, other num_sms": ("dispatch", "num_sms"),
+    "get_dispatch_layout": ("get_dispatch_layout", "normal-mode"),
+    "combine": ("combine", "normal-mode"),
+    "low_latency_dispatch": ("low_latency_dispatch", "low-latency"),
+    "low_latency_combine": ("low_latency_combine", "low-latency"),
+    "clean_low_latency_buffer": ("clean_low_latency_buffer", "waits"),
+    "destroy": ("destroy", "waits"),
+}
+
+
+@pytest.mark.parametrize("transport", ["reference", pytest.param("nvlink", marks=pytest.mark.gpu)])
+def test_calls_that_wait_on_the_host_are_refused_inside_a_graph_capture(pool, transport):
+    for out in pool(2).run(run_capture_refusals, transport):
+        assert out.pop("combine after the refusals equals the one before") == "True"
+        if "Buffer" in out:
+            assert "Buffer cannot be constructed inside a CUDA graph capture" in out.pop("Buffer")
+        assert out, "no call was tried"
+        for name, message in out.items():
+            operation, reason = _REFUSALS[name]
+            if transport == "reference" and name.startswith("dispatch"):
+                reason = "normal-mode"   # (refused as every call of the transport is)
+            assert f"{operation} cannot run inside a CUDA graph capture" in message and reason in message, \
+                f"{name}: {message}"

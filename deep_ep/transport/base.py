@@ -50,9 +50,19 @@ class Transport(ABC):
     checks_values_on_device = False
     # the same for the expert ids of low-latency calls (reported at the next low-latency call)
     low_latency_checks_values_on_device = False
+    # True: normal-mode calls without a host wait (all but a non-cached dispatch without num_worst_tokens) can be
+    # captured in a CUDA graph; False: every call waits on the host, and the Buffer refuses them inside a capture
+    graph_capturable = False
+    # the same for the low-latency calls
+    low_latency_graph_capturable = False
 
     def __init__(self, group: Group, topology: Topology, device: torch.device) -> None:
         self.group, self.topology, self.device = group, topology, device
+
+    def capture_host_wait(self, num_channels: int) -> Optional[str]:
+        """Why a normal-mode call with `num_channels` would wait on the host even without a count to wait for
+        (inside a CUDA graph capture the Buffer refuses it with this), or None."""
+        return None
 
     @abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int

@@ -97,6 +97,7 @@ def _agree_on_settings(group: Group) -> None:
 class NVLinkTransport(Transport):
     name = "nvlink"
     checks_values_on_device = True
+    graph_capturable = True
 
     def __init__(self, group: Group, topology: Topology, device: torch.device, num_nvl_bytes: int,
                  num_low_latency_bytes: int, timeout_s: float) -> None:
@@ -151,7 +152,7 @@ class NVLinkTransport(Transport):
             self.low_latency = NVLinkLowLatency.open_on_group(group, topology, device, num_low_latency_bytes,
                                                               self.status, self.timeout_ns)
             self.low_latency_buffer = self.low_latency.area
-            self.low_latency_checks_values_on_device = True
+            self.low_latency_checks_values_on_device = self.low_latency_graph_capturable = True
             self.low_latency_dispatch = self.low_latency.dispatch
             self.low_latency_combine = self.low_latency.combine
         group.barrier("NVLink transport set-up")
@@ -173,6 +174,13 @@ class NVLinkTransport(Transport):
         if launch is None:
             launch = self._launches[key] = make()
         return launch
+
+    def capture_host_wait(self, num_channels: int) -> Optional[str]:
+        if self._channels in (None, num_channels):
+            return None
+        return (f"config.num_sms changes from {2 * self._channels} to {2 * num_channels}, which moves the rings: "
+                "the host waits for the GPU and the other ranks first; capture calls with the num_sms of the calls "
+                "before, or make one uncaptured call with the new num_sms first")
 
     def _begin(self, num_channels: int) -> None:
         """Every operation: report an earlier timeout; if the channel count changed, the rings move, so let
