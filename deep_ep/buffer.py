@@ -27,7 +27,12 @@ Tensors = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 def _capturing(device: torch.device) -> bool:
     """Whether the current stream of `device` (a CUDA device) is capturing a CUDA graph."""
-    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+    if device.type != "cuda":
+        return False
+    if device.index is None or device.index == torch._C._cuda_getDevice():
+        return torch._C._cuda_isCurrentStreamCapturing()
+    with torch.cuda.device(device):
+        return torch._C._cuda_isCurrentStreamCapturing()
 
 
 def _shown_argument(name: str, value: int) -> Any:
@@ -80,7 +85,7 @@ class Buffer:
             timeout_s: bound of every wait in seconds (default 100, or $DEEP_EP_TIMEOUT_S).
             device: where the tensors live; default the current CUDA device, else the CPU.
         """
-        if torch.cuda.is_available() and _capturing(torch.device("cuda")):
+        if torch.cuda.is_available() and _capturing(torch.device(device if device is not None else "cuda")):
             raise RuntimeError("Buffer cannot be constructed inside a CUDA graph capture (it allocates memory and "
                                "exchanges it with the other ranks on the host): create it before capturing")
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0, multiple_of=128)
@@ -643,7 +648,8 @@ class Buffer:
                     if finish is not None:
                         finish(out)
 
-            hook = ReceiveHook(complete, name)
+            hook = ReceiveHook(complete, name, None if self._transport.low_latency_graph_capturable else (
+                lambda: self._refuse_host_wait_in_capture(f"the receive hook of {name}", low_latency=True)))
             self._slots.hold(half, hook)
             return out, EventOverlap(None), hook
 

@@ -1,6 +1,7 @@
 """Argument checks that name the argument and the expected value, and the message for ranks that disagree."""
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Optional, Sequence, Tuple, Union
 
@@ -63,6 +64,7 @@ def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> Non
         raise ValueError(f"{name} entries must be -1 or in [0, {num_experts}), found {bad}")
 
 
+@functools.lru_cache(maxsize=None)
 def dtype_code(dtype: torch.dtype) -> int:
     """A number for every dtype, the same in every process (for exchanges of call descriptions)."""
     return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF

@@ -8,8 +8,8 @@ from typing import Callable, List, Optional
 class ReceiveHook:
     """Completes a low-latency call when invoked; may run on any thread, exactly once."""
 
-    def __init__(self, receive: Callable[[], None], name: str) -> None:
-        self._receive, self._name = receive, name
+    def __init__(self, receive: Callable[[], None], name: str, check: Optional[Callable[[], None]] = None) -> None:
+        self._receive, self._name, self._check = receive, name, check   # check: may refuse a call (kept callable)
         self.output: Optional[object] = None   # what the receive fills in (a dispatch's src_info), if set
         self._lock = threading.Lock()
         self._started = False
@@ -31,6 +31,8 @@ class ReceiveHook:
             return True
 
     def __call__(self) -> None:
+        if self._check is not None:
+            self._check()
         with self._lock:
             if self._stale is not None:
                 raise RuntimeError(f"the receive hook of {self._name} was discarded by {self._stale}")

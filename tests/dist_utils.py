@@ -40,14 +40,15 @@ def run_deterministic(ctx: RankContext, fn: Callable[..., Any], *args: Any) -> A
     integer): an op without a deterministic kernel raises, and a kernel that reads memory nobody wrote gets
     values that show. (Frameworks turn this mode on for reproducible training.)"""
     import torch.utils.deterministic as deterministic
-    before = torch.are_deterministic_algorithms_enabled(), deterministic.fill_uninitialized_memory
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              deterministic.fill_uninitialized_memory)
     torch.use_deterministic_algorithms(True)
-    deterministic.fill_uninitialized_memory = True
+    deterministic.fill_uninitialized_memory = True   # (the default; set in case the caller turned it off)
     try:
         return fn(ctx, *args)
     finally:
-        torch.use_deterministic_algorithms(before[0])
-        deterministic.fill_uninitialized_memory = before[1]
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        deterministic.fill_uninitialized_memory = before[2]
 
 
 def _free_port() -> int:

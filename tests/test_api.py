@@ -997,6 +997,11 @@ def run_capture_refusals(ctx, transport: str) -> Dict[str, str]:
     recv_x, _, _, _, handle, _ = buf.dispatch(x, config=config, **layout)
     before = buf.combine(recv_x, handle, config=config)[0]
     ll_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, n, experts, use_fp8=False)
+    hook = buf.low_latency_dispatch(x, idx, n, experts, use_fp8=False, return_recv_hook=True)[4]
+    # normal mode without a ring buffer: the NVLink transport hands it to the reference transport
+    no_rings = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, 2, experts),
+                      low_latency_mode=True, num_qps_per_rank=2, transport=transport, explicitly_destroy=True,
+                      timeout_s=30)
     calls = {
         "dispatch": lambda: buf.dispatch(x, config=config, **layout),
         "dispatch with num_worst_tokens": lambda: buf.dispatch(x, num_worst_tokens=2 * n, config=config, **layout),
@@ -1006,6 +1011,8 @@ def run_capture_refusals(ctx, transport: str) -> Dict[str, str]:
         "combine": lambda: buf.combine(recv_x, handle, config=config),
         "low_latency_dispatch": lambda: buf.low_latency_dispatch(x, idx, n, experts, use_fp8=False),
         "low_latency_combine": lambda: buf.low_latency_combine(ll_x, idx, weights, ll_handle),
+        "receive hook": hook,
+        "get_dispatch_layout without a ring buffer": lambda: no_rings.get_dispatch_layout(idx, experts),
         "clean_low_latency_buffer": lambda: buf.clean_low_latency_buffer(n, hidden, experts),
         "destroy": buf.destroy,
     }
@@ -1013,7 +1020,7 @@ def run_capture_refusals(ctx, transport: str) -> Dict[str, str]:
         calls["Buffer"] = lambda: Buffer(ctx.group, 1 << 24, 0, transport=transport)
     if transport == "nvlink":   # these would be captured: leave them out
         for name in ("dispatch with num_worst_tokens", "get_dispatch_layout", "combine", "low_latency_dispatch",
-                     "low_latency_combine"):
+                     "low_latency_combine", "receive hook"):
             del calls[name]
     out: Dict[str, str] = {}
     for name, call in calls.items():
@@ -1023,9 +1030,11 @@ def run_capture_refusals(ctx, transport: str) -> Dict[str, str]:
             out[name] = "no error"
         except RuntimeError as error:
             out[name] = str(error)
+    hook()   # (refused above on the reference transport, the hook can still run)
     after = buf.combine(buf.dispatch(x, config=config, **layout)[0], handle, config=config)[0]
     out["combine after the refusals equals the one before"] = str(torch.equal(after, before))
     buf.destroy()
+    no_rings.destroy()
     return out
 
 
@@ -1038,6 +1047,8 @@ _REFUSALS = {
     "combine": ("combine", "normal-mode"),
     "low_latency_dispatch": ("low_latency_dispatch", "low-latency"),
     "low_latency_combine": ("low_latency_combine", "low-latency"),
+    "receive hook": ("the receive hook of low_latency_dispatch", "low-latency"),
+    "get_dispatch_layout without a ring buffer": ("get_dispatch_layout", "normal-mode"),
     "clean_low_latency_buffer": ("clean_low_latency_buffer", "waits"),
     "destroy": ("destroy", "waits"),
 }

@@ -307,7 +307,8 @@ def run_absent_rank(ctx, seed: int) -> List[str]:
         if rank != absent:
             _absent_rank_rounds(ctx, seed, buffer, errors, absent, n, hidden, topk, num_experts)
             buffer.destroy()   # (waits for the live ranks only)
-    finally:   # (the absent rank waits here, unbounded, until the live ones are done with its memory)
+    finally:   # (the absent rank waits here, unbounded, until the live ones are done with its memory; a live rank
+        # whose rounds failed comes straight here, and the others' destroy gives up on it after timeout_s)
         torch.distributed.barrier(group=ctx.group)
     if rank == absent:   # the test's clean-up: in its view every other rank has gone, so destroy waits for none
         for other in range(R - 1):

@@ -112,7 +112,7 @@ class NVLinkTransport(Transport):
         if not self.has_rings:   # normal mode without a ring buffer (num_nvl_bytes == 0): the reference serves it
             for name in ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine"):
                 setattr(self, name, getattr(self.reference, name))
-        self.checks_values_on_device = self.has_rings
+        self.checks_values_on_device = self.graph_capturable = self.has_rings
         R = topology.num_ranks
         self.notify_word, self.tail_word = 0, R
         self.head_word, self.sent_word, self.recvd_word = R + R * CMAX, R + 2 * R * CMAX, R + 3 * R * CMAX
@@ -361,10 +361,9 @@ class NVLinkTransport(Transport):
         if others:
             # every rank sees a difference; when all of them wait here they compare the calls to name it
             if not any(f & 8 for f in flags):
-                calls = self.group.all_gather(torch.tensor(call, dtype=torch.int64), "dispatch (comparing the calls)")
+                calls = self.group.gather_int_lists(list(call), "dispatch (comparing the calls)")
                 for other in others:
-                    message = disagreement("dispatch", _DispatchCall._fields, list(call), calls[other].tolist(), rank,
-                                           other)
+                    message = disagreement("dispatch", _DispatchCall._fields, list(call), calls[other], rank, other)
                     if message:
                         raise ValueError(message)
             raise ValueError(f"dispatch: rank(s) {others} called dispatch with a different hidden size, dtype, scales, "
