@@ -63,14 +63,15 @@ class Buffer:
         Args:
             group: the communication group (NCCL, gloo or mixed); its rank order is the EP rank order.
             num_nvl_bytes: bytes of the buffer shared with the ranks of the same node (normal mode). On the
-                NVLink transport, a dispatch moves all rows at once (the fastest path) when the buffer holds
+                NVLink transport, a dispatch moves all rows at once (the direct protocol) when the buffer holds
                 every row any rank receives (rows x (row bytes + scale bytes + 12 x top-k + 16)), and a
                 combine when it holds every row any rank sent (rows x (2 x hidden + 4 x top-k + 16)); at most
                 ranks x tokens per rank rows each: 8 ranks x 4096 tokens of hidden 7168 need at most 0.48 GB
-                (the 1 GiB that vLLM passes is enough). A smaller buffer (at least one row per channel and
-                rank) streams the rows in rounds, as does every dispatch with num_worst_tokens (and its
-                combine).
-            num_rdma_bytes: bytes of the buffer used by the low-latency mode (and internode normal mode).
+                (the 1 GiB that vLLM passes is enough). A smaller buffer streams the rows in rounds, as does
+                every dispatch with num_worst_tokens (and its combine); a call refuses a buffer below
+                DeepEP's size rule (`Config.get_nvl_buffer_size_hint`).
+            num_rdma_bytes: bytes of the buffer used by the low-latency mode (DeepEP also uses it for
+                internode normal mode; the reference transport here needs none there).
             low_latency_mode: enable `low_latency_dispatch` / `low_latency_combine`.
             num_qps_per_rank: RDMA queue pairs per peer in DeepEP; accepted as a hint (must be > 0 in
                 low-latency mode, as DeepEP asserts there).
@@ -313,7 +314,8 @@ class Buffer:
                 outputs of `get_dispatch_layout` (non-cached mode).
             topk_idx: `[T, K]` `topk_idx_t`, entries in `[0, E)` or -1; topk_weights: `[T, K]` float32.
             expert_alignment: round each entry of the per-expert count list up to this multiple.
-            num_worst_tokens: if > 0, allocate exactly this many receive rows and never wait on the host.
+            num_worst_tokens: if > 0, allocate exactly this many receive rows; the NVLink transport then
+                never waits on the host (the reference transport always does).
             config: performance config (default `get_dispatch_config(group_size)`).
             previous_event: run after this event instead of after the current stream's work.
             async_finish: return without making the current stream wait; wait on the returned event.
@@ -402,8 +404,9 @@ class Buffer:
             config, previous_event, async_finish, allocate_on_comm_stream: as in `dispatch`.
 
         Returns:
-            `(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event)`: fp32 sums of
-            the rows from the destination ranks in ascending rank order, plus the biases, rounded once.
+            `(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event)`: fp32 sums,
+            starting from the biases, of the rows from the destination ranks in ascending rank order,
+            rounded once (across nodes each node's partial sum is rounded first, as DeepEP does).
         """
         self._live("combine")
         config = config if config is not None else self._default_config(self.get_combine_config)

@@ -20,13 +20,17 @@ class Config:
     Args:
         num_sms: programs (SMs) the normal kernels may occupy; must be even when used by a kernel.
             It also fixes the number of channels `num_sms // 2`, which shapes the handle matrices.
-        num_max_nvl_chunked_send_tokens: tokens pushed per step into an NVLink ring.
-        num_max_nvl_chunked_recv_tokens: NVLink ring capacity in tokens, per (channel, peer).
-        num_max_rdma_chunked_send_tokens: tokens per RDMA write.
-        num_max_rdma_chunked_recv_tokens: RDMA ring capacity per (channel, peer node); rounded up to a
-            multiple of `num_max_rdma_chunked_send_tokens`, as DeepEP does.
+        num_max_nvl_chunked_send_tokens: DeepEP's tokens per step into an NVLink ring.
+        num_max_nvl_chunked_recv_tokens: DeepEP's NVLink ring capacity in tokens, per (channel, peer);
+            here it sets the smallest `num_nvl_bytes` a call accepts and the size hint.
+        num_max_rdma_chunked_send_tokens: DeepEP's tokens per RDMA write.
+        num_max_rdma_chunked_recv_tokens: DeepEP's RDMA ring capacity per (channel, peer node); rounded up
+            to a multiple of `num_max_rdma_chunked_send_tokens`, as DeepEP does.
+        The chunk sizes are checked as DeepEP checks them and size the buffer hints; this library's
+        kernels choose their own steps (the NVLink rings fill whatever `num_nvl_bytes` holds).
 
     Raises:
+        TypeError: when a value is not an int.
         ValueError: when a value breaks DeepEP's constructor rules (the message names it).
     """
 
@@ -90,7 +94,8 @@ class Config:
         return _round_up(total, 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of `num_rdma_bytes` DeepEP needs for the normal internode kernels (0 within one node)."""
+        """Bytes of `num_rdma_bytes` DeepEP needs for the normal internode kernels (0 for up to 8 ranks,
+        DeepEP's node)."""
         _check_positive("hidden_bytes", hidden_bytes)
         _check_positive("num_ranks", num_ranks)
         if num_ranks <= NUM_MAX_NVL_PEERS:

@@ -6,7 +6,8 @@ a gloo group, CUDA tensors on an NCCL group, one node or many). Per call it runs
      different shapes or different operations all get a clear error instead of a garbled exchange;
   2. an all-to-all of small count vectors (splits, per-expert counts, channel counts) unless the handle
      already holds them;
-  3. one all-to-all of packed rows (payload bytes | scales | top-k ids | weights | metadata);
+  3. the data: the rows of x in one all-to-all, straight into the output, and the small per-row fields
+     (scales, top-k ids, weights, metadata) packed into a second one;
 and then places the rows with vectorised index operations. Counts go to the host (`tolist`) to size the
 variable all-to-all, so this transport always synchronises the host; that is its price, not its contract.
 """
