@@ -40,13 +40,16 @@ def make_routing(gen: torch.Generator, num_tokens: int, num_topk: int, num_exper
 
     styles: "uniform" (K distinct experts; K may exceed E only with "dup"), "skewed" (most tokens pick the hot
     expert, scores favour the hot expert's rank), "dup" (half of the tokens repeat their first expert in slot 1,
-    and some in the last slot too). `mask_frac` of the entries become -1; token 0 then selects nothing.
+    and some in the last slot too), "first_half" (only the experts of the first half of the ranks, K <= E / 2:
+    the other ranks receive nothing). `mask_frac` of the entries become -1; token 0 then selects nothing.
     """
     if num_topk <= num_experts:
         scores = torch.rand(num_tokens, num_experts, generator=gen)
         if style == "skewed":
             hot = torch.rand(num_tokens, generator=gen) < 0.85
             scores[hot, hot_expert] += 10.0
+        if style == "first_half":
+            scores[:, num_experts // 2:] = -1.0
         idx = scores.topk(num_topk, dim=1).indices.to(torch.int64)
     else:
         idx = torch.randint(num_experts, (num_tokens, num_topk), generator=gen, dtype=torch.int64)
@@ -459,7 +462,12 @@ def run_round(chk: Checker, ctx, buf, seed: int, key: Any, sources: List[M.Sourc
 def make_buffer(ctx, n: int, hidden: int, num_experts: int, **kwargs):
     from deep_ep import Buffer
     hint = Buffer.get_low_latency_rdma_size_hint(n, hidden, ctx.world_size, num_experts)
-    return Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=num_experts // ctx.world_size, **kwargs)
+    buffer = Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=num_experts // ctx.world_size,
+                    **kwargs)
+    if ctx.device.type == "cuda" and "transport" not in kwargs:   # (these tests are meant to run it on GPUs)
+        assert buffer.transport_name == "nvlink" and buffer._transport.low_latency is not None, \
+            f"rank {ctx.rank}: transport 'auto' did not give the NVLink low-latency path ({buffer.transport_name})"
+    return buffer
 
 
 def case_key(case: Dict[str, Any], i: int) -> tuple:
@@ -805,6 +813,8 @@ def cases_for(num_ranks: int) -> List[Dict[str, Any]]:
     return [
         dict(name="skewed", tokens=[32, 17, 0, 32], N=32, hidden=256, topk=8, experts_per_rank=4, routing="skewed",
              mask_frac=0.1, rounds=ALL_ROUNDS),
+        dict(name="first-half-ranks-2-3-receive-nothing", tokens=[20, 7, 0, 13], N=20, hidden=256, topk=4,
+             experts_per_rank=4, routing="first_half", rounds=[0, 3, 6, 9]),
         dict(name="full-N64", tokens=[64, 64, 64, 1], N=64, hidden=128, topk=4, experts_per_rank=8,
              rounds=[1, 6, 8]),
         dict(name="mostly-minus-one", tokens=[9, 12, 1, 5], N=12, hidden=256, topk=9, experts_per_rank=5,
@@ -822,6 +832,9 @@ def run_all(ctx, seed: int, names: List[str]) -> List[str]:
               ("shrink", lambda: run_shrink(chk, ctx, seed, [ctx.world_size - 1] if ctx.world_size < 4 else [1, 3])),
               ("shrink-masks-change", lambda: run_shrink_masks_change(chk, ctx, seed)),
               ("shrink-absent", lambda: run_shrink_absent(chk, ctx, seed))]   # (last: one rank leaves early)
+    unknown = sorted(set(names) - {name for name, _ in steps})
+    if unknown:
+        chk.errors.append(f"rank {ctx.rank}: no step is named {unknown}; the steps are {[n for n, _ in steps]}")
     for name, step in steps:
         if names and name not in names:
             continue

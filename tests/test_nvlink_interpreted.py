@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from randomness import base_seed
 
 triton = pytest.importorskip("triton")
 
@@ -23,8 +24,9 @@ def _version(text: str):
 @pytest.mark.parametrize("script", ["interpreted_low_latency.py", "interpreted_combine.py"])
 def test_kernels_match_under_the_interpreter(script):
     tests = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
+    seed = base_seed()
+    env = dict(os.environ, TRITON_INTERPRET="1", DEEP_EP_TEST_SEED=str(seed),
                PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(tests / script)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), \
-        (done.stdout[-3000:] + done.stderr[-3000:])
+        f"seed={seed} (replay with DEEP_EP_TEST_SEED={seed}):\n" + done.stdout[-3000:] + done.stderr[-3000:]

@@ -112,15 +112,19 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]]) -> List[str]:
             idx, weights = idx.to(ctx.device), weights.to(ctx.device)
             y = _expert_outputs(seed, (shape["name"], i, rank), e_loc * R * n, hidden, ctx.device,
                                 ckind == "logfmt").view(e_loc, R * n, hidden)
+            y_again = _expert_outputs(seed, (shape["name"], i, rank, "again"), e_loc * R * n, hidden, ctx.device,
+                                      False).view(e_loc, R * n, hidden)
             outs = {}
             for label, buf in buffers.items():
                 cum = torch.full((e_loc,), 7, dtype=torch.int32, device=ctx.device)
                 recv_x, count, handle, _, _ = _dispatch(buf, x, idx, shape, dmode, cum=cum)
                 combined = _combine(buf, y, idx, weights, handle, ckind, cmode)
+                again = _combine(buf, y_again, idx, weights, handle, "plain", "sync")   # (the handle reused)
                 torch.cuda.synchronize()
-                outs[label] = (recv_x, count, handle, combined, cum)
-            (recv_x, count, handle, combined, cum), (r_recv_x, r_count, r_handle, r_combined, r_cum) = \
+                outs[label] = (recv_x, count, handle, combined, cum, again)
+            (recv_x, count, handle, combined, cum, again), (r_recv_x, r_count, r_handle, r_combined, r_cum, r_again) = \
                 outs["nvlink"], outs["reference"]
+            _same(errors, f"{name} combined again through the same handle", again, r_again)
             _same(errors, f"{name} recv_count", count, r_count)
             _same(errors, f"{name} cumulative stats", cum, r_cum)
             _same(errors, f"{name} layout_range", handle[1], r_handle[1])
@@ -170,17 +174,22 @@ def test_ll_nvlink_matches_reference(pool, world_size):
 GRAPH_REPLAYS = 10_000
 
 
-def run_graph(ctx, seed: int, replays: int, hook: bool) -> Dict[str, int]:
-    """combine(dispatch(x)) with identity experts must be bf16(sum over valid k of w * x) in the library's
-    order; mismatching tokens are counted on the GPU and read once at the end."""
+def run_graph(ctx, seed: int, replays: int, hook: bool, few_tokens: bool = False) -> Dict[str, int]:
+    """combine(dispatch(x)) with experts that multiply by 2^(expert id mod 4) (exact in bf16, and different
+    for the slots of a token) must be bf16(sum over valid k of w * 2^(id mod 4) * x) in the library's order;
+    mismatching tokens are counted on the GPU and read once at the end. `few_tokens`: 4 tokens on rank 0 and
+    none on the others (without a hook, the single fused kernel)."""
     from deep_ep import Buffer
     n, hidden, topk, num_experts = 64, 2048, 8, 8 * ctx.world_size
+    experts_per_rank = num_experts // ctx.world_size
     buffer = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, ctx.world_size, num_experts),
                     low_latency_mode=True, transport="nvlink", explicitly_destroy=True, timeout_s=60)
     dev = ctx.device
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed + ctx.rank)
-    num_tokens = n - 7 * ctx.rank
+    num_tokens = (4 if ctx.rank == 0 else 0) if few_tokens else n - 7 * ctx.rank
+    expert_ids = torch.arange(experts_per_rank, device=dev) + ctx.rank * experts_per_rank
+    expert_scale = torch.pow(2.0, (expert_ids % 4).float()).to(torch.bfloat16).view(-1, 1, 1)
     x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
     idx = torch.empty((num_tokens, topk), dtype=torch.int64, device=dev)
     weights = torch.empty((num_tokens, topk), dtype=torch.float32, device=dev)
@@ -198,7 +207,8 @@ def run_graph(ctx, seed: int, replays: int, hook: bool) -> Dict[str, int]:
                                                                            return_recv_hook=hook)
         if hook:
             dispatch_hook()
-        _, _, combine_hook = buffer.low_latency_combine(recv_x, idx, weights, handle, out=out, return_recv_hook=hook)
+        _, _, combine_hook = buffer.low_latency_combine(recv_x * expert_scale, idx, weights, handle, out=out,
+                                                        return_recv_hook=hook)
         if hook:
             combine_hook()
 
@@ -214,20 +224,21 @@ def run_graph(ctx, seed: int, replays: int, hook: bool) -> Dict[str, int]:
         graph.replay()
         acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=dev)
         for k in range(topk):
-            acc = torch.where((idx[:, k] >= 0)[:, None], acc + weights[:, k:k + 1] * x.float(), acc)
+            scaled = x.float() * torch.pow(2.0, (idx[:, k:k + 1] % 4).float())
+            acc = torch.where((idx[:, k] >= 0)[:, None], acc + weights[:, k:k + 1] * scaled, acc)
         wrong += (out != acc.to(torch.bfloat16)).any(dim=1).sum()
-    result = dict(wrong_tokens=int(wrong), replays=replays)
+    result = dict(wrong_tokens=int(wrong))
     buffer.destroy()
     return result
 
 
-@pytest.mark.parametrize("hook", [False, True], ids=["plain", "hooks"])
-def test_ll_nvlink_cuda_graph_replays(pool, hook):
+@pytest.mark.parametrize("hook,few_tokens", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "hooks", "fused-few-tokens"])
+def test_ll_nvlink_cuda_graph_replays(pool, hook, few_tokens):
     seed = base_seed()
-    replays = GRAPH_REPLAYS if not hook else 200
-    results = pool(2).run(run_graph, seed, replays, hook, timeout=900)
+    replays = GRAPH_REPLAYS if not (hook or few_tokens) else 200 if hook else 2000
+    results = pool(2).run(run_graph, seed, replays, hook, few_tokens, timeout=900)
     for rank, r in enumerate(results):
-        assert r["replays"] == replays
         assert r["wrong_tokens"] == 0, f"seed {seed}: rank {rank}: {r['wrong_tokens']} wrong tokens"
 
 
