@@ -8,8 +8,9 @@
 #          (2 GPUs); on one GPU a short low-latency run with both ranks on it, which checks the benchmark's code
 #          paths (its times say nothing of NVLink)
 #   normal: tests/test_nvlink.py and test_nvlink_launch.py (and the comparisons again with the rings only); ll: the
-#   low-latency tests (ll-compare: the comparisons with the reference, ll-other: the rest; on one GPU they run one
-#   after the other, so there a call of at most 10 minutes takes one of them);
+#   low-latency tests (ll-compare: the comparisons with the reference, and at 2 ranks again with
+#   DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0; ll-other: the rest; on one GPU they run one after the other, so
+#   there a call of at most 10 minutes takes one of them);
 #   other: the rest of the suite
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -77,7 +78,11 @@ if has normal; then
     DEEP_EP_NVLINK_DIRECT=0 DEEP_EP_NVLINK_OWN_ROWS=receiver run_tests tests_rings_only tests/test_nvlink.py \
         -k "sweep or small_rings" &
 fi
-ll_compare() { run_tests tests_ll_compare tests/test_nvlink_low_latency.py -k "matches_reference"; }
+ll_compare() {   # then the 2-rank comparison again with the alternative kernels (every row sent, no fused kernel)
+    run_tests tests_ll_compare tests/test_nvlink_low_latency.py -k "matches_reference"
+    DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0 run_tests tests_ll_variants tests/test_nvlink_low_latency.py \
+        -k "matches_reference and 2"
+}
 ll_other() { run_tests tests_ll_other tests/test_nvlink_low_latency.py tests/test_low_latency.py -k "not matches_reference"; }
 if has ll && [ "$gpus" -lt 2 ]; then   # on one GPU every rank's 1 GiB low-latency buffers share it: one at a time
     (ll_compare; ll_other) &
@@ -94,7 +99,8 @@ if has other; then
 fi
 wait
 
-for log in tests_nvlink_sweep tests_nvlink_rings tests_nvlink_model tests_nvlink_other tests_rings_only tests_ll_compare tests_ll_other tests_other; do
+for log in tests_nvlink_sweep tests_nvlink_rings tests_nvlink_model tests_nvlink_other tests_rings_only tests_ll_compare \
+           tests_ll_variants tests_ll_other tests_other; do
     [ -f "$out/$log.log" ] || continue
     echo "--- $log"
     grep -v "CudaIPCTypes" "$out/$log.log" | grep -E "(PASSED|FAILED|ERROR)( |$)|^(FAILED|ERROR) |passed|failed| exit " \
