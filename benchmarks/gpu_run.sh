@@ -8,9 +8,9 @@
 #          (2 GPUs); on one GPU a short low-latency run with both ranks on it, which checks the benchmark's code
 #          paths (its times say nothing of NVLink)
 #   normal: tests/test_nvlink.py and test_nvlink_launch.py (and the comparisons again with the rings only); ll: the
-#   low-latency tests (ll-compare: the comparisons with the reference, and at 2 ranks again with
-#   DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0; ll-other: the rest; on one GPU they run one after the other, so
-#   there a call of at most 10 minutes takes one of them);
+#   low-latency tests (ll-compare: the comparisons with the reference; ll-variants: the 2-rank comparison with
+#   DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0, part of ll on 2 GPUs; ll-other: the rest; on one GPU they run one
+#   after the other, so there a call of at most 10 minutes takes one of them);
 #   other: the rest of the suite
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -78,8 +78,8 @@ if has normal; then
     DEEP_EP_NVLINK_DIRECT=0 DEEP_EP_NVLINK_OWN_ROWS=receiver run_tests tests_rings_only tests/test_nvlink.py \
         -k "sweep or small_rings" &
 fi
-ll_compare() {   # then the 2-rank comparison again with the alternative kernels (every row sent, no fused kernel)
-    run_tests tests_ll_compare tests/test_nvlink_low_latency.py -k "matches_reference"
+ll_compare() { run_tests tests_ll_compare tests/test_nvlink_low_latency.py -k "matches_reference"; }
+ll_variants() {   # the 2-rank comparison with the alternative kernels (every row sent, no fused kernel)
     DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0 run_tests tests_ll_variants tests/test_nvlink_low_latency.py \
         -k "matches_reference and 2"
 }
@@ -87,12 +87,13 @@ ll_other() { run_tests tests_ll_other tests/test_nvlink_low_latency.py tests/tes
 if has ll && [ "$gpus" -lt 2 ]; then   # on one GPU every rank's 1 GiB low-latency buffers share it: one at a time
     (ll_compare; ll_other) &
 elif has ll; then
-    ll_compare &
+    (ll_compare; ll_variants) &
     ll_other &
 else
     if has ll-compare; then ll_compare & fi
     if has ll-other; then ll_other & fi
 fi
+if has ll-variants; then ll_variants & fi
 if has other; then
     run_tests tests_other tests --ignore=tests/test_nvlink.py --ignore=tests/test_nvlink_launch.py \
         --ignore=tests/test_nvlink_low_latency.py --ignore=tests/test_low_latency.py &
