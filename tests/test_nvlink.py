@@ -97,7 +97,8 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]], num_nvl_bytes: Opt
         num_recv = outs["ref"]["bf16"][0].shape[0]
         got, exp = outs["fast"], outs["ref"]
         # a row count that differs from the reference's on any rank: every rank skips the combines (sized by it)
-        differs = torch.tensor([int(got["bf16"][0].shape[0] != num_recv)], device=ctx.device)
+        differs = torch.tensor([int(got["bf16"][0].shape[0] != num_recv)],
+                               device=ctx.device if torch.distributed.get_backend(ctx.group) == "nccl" else "cpu")
         torch.distributed.all_reduce(differs, group=ctx.group)
         if int(differs):
             if got["bf16"][0].shape[0] != num_recv:
