@@ -174,59 +174,84 @@ def test_ll_nvlink_matches_reference(pool, world_size):
 GRAPH_REPLAYS = 10_000
 
 
-def run_graph(ctx, seed: int, replays: int, hook: bool, few_tokens: bool = False) -> Dict[str, int]:
-    """combine(dispatch(x)) with experts that multiply by 2^(expert id mod 4) (exact in bf16, and different
-    for the slots of a token) must be bf16(sum over valid k of w * 2^(id mod 4) * x) in the library's order;
-    mismatching tokens are counted on the GPU and read once at the end. `few_tokens`: 4 tokens on rank 0 and
-    none on the others (without a hook, the single fused kernel)."""
-    from deep_ep import Buffer
-    n, hidden, topk, num_experts = 64, 2048, 8, 8 * ctx.world_size
-    experts_per_rank = num_experts // ctx.world_size
-    buffer = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, ctx.world_size, num_experts),
-                    low_latency_mode=True, transport="nvlink", explicitly_destroy=True, timeout_s=60)
-    dev = ctx.device
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(seed + ctx.rank)
-    num_tokens = (4 if ctx.rank == 0 else 0) if few_tokens else n - 7 * ctx.rank
-    expert_ids = torch.arange(experts_per_rank, device=dev) + ctx.rank * experts_per_rank
-    expert_scale = torch.pow(2.0, (expert_ids % 4).float()).to(torch.bfloat16).view(-1, 1, 1)
-    x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
-    idx = torch.empty((num_tokens, topk), dtype=torch.int64, device=dev)
-    weights = torch.empty((num_tokens, topk), dtype=torch.float32, device=dev)
-    out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
+class _GraphedRoundTrip:
+    """Low-latency dispatch + combine of `num_tokens` tokens on this rank, captured in a CUDA graph, with its
+    input and output buffers. The experts multiply by 2^(expert id mod 4) (exact in bf16, and different for
+    the slots of a token), so combine(dispatch(x)) must be bf16(sum over valid k of w * 2^(id mod 4) * x) in
+    the library's order."""
 
-    def refill() -> None:
-        x.copy_(torch.randn(x.shape, generator=gen, device=dev))
-        scores = torch.rand(num_tokens, num_experts, generator=gen, device=dev)
-        chosen = scores.topk(topk, dim=1).indices
-        idx.copy_(torch.where(torch.rand(chosen.shape, generator=gen, device=dev) < 0.1, -1, chosen))
-        weights.copy_(torch.randn(weights.shape, generator=gen, device=dev))
+    def __init__(self, ctx, buffer, n: int, hidden: int, topk: int, num_experts: int, num_tokens: int, hook: bool,
+                 gen: torch.Generator) -> None:
+        dev = ctx.device
+        self.buffer, self.n, self.topk, self.num_experts, self.hook, self.gen = buffer, n, topk, num_experts, hook, gen
+        self.num_tokens, self.dev = num_tokens, dev
+        experts_per_rank = num_experts // ctx.world_size
+        expert_ids = torch.arange(experts_per_rank, device=dev) + ctx.rank * experts_per_rank
+        self.expert_scale = torch.pow(2.0, (expert_ids % 4).float()).to(torch.bfloat16).view(-1, 1, 1)
+        self.x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
+        self.idx = torch.empty((num_tokens, topk), dtype=torch.int64, device=dev)
+        self.weights = torch.empty((num_tokens, topk), dtype=torch.float32, device=dev)
+        self.out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
+        self.graph = torch.cuda.CUDAGraph()
 
-    def step() -> None:
-        recv_x, _, handle, _, dispatch_hook = buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False,
-                                                                           return_recv_hook=hook)
+    def refill(self) -> None:
+        gen, dev = self.gen, self.dev
+        self.x.copy_(torch.randn(self.x.shape, generator=gen, device=dev))
+        scores = torch.rand(self.num_tokens, self.num_experts, generator=gen, device=dev)
+        chosen = scores.topk(self.topk, dim=1).indices
+        self.idx.copy_(torch.where(torch.rand(chosen.shape, generator=gen, device=dev) < 0.1, -1, chosen))
+        self.weights.copy_(torch.randn(self.weights.shape, generator=gen, device=dev))
+
+    def step(self) -> None:
+        buffer, hook = self.buffer, self.hook
+        recv_x, _, handle, _, dispatch_hook = buffer.low_latency_dispatch(self.x, self.idx, self.n, self.num_experts,
+                                                                           use_fp8=False, return_recv_hook=hook)
         if hook:
             dispatch_hook()
-        _, _, combine_hook = buffer.low_latency_combine(recv_x * expert_scale, idx, weights, handle, out=out,
-                                                        return_recv_hook=hook)
+        _, _, combine_hook = buffer.low_latency_combine(recv_x * self.expert_scale, self.idx, self.weights, handle,
+                                                        out=self.out, return_recv_hook=hook)
         if hook:
             combine_hook()
 
-    refill()
-    step()   # compiles the kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    wrong = torch.zeros((), dtype=torch.int64, device=dev)
-    for _ in range(replays):
-        refill()
-        graph.replay()
-        acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=dev)
-        for k in range(topk):
+    def capture(self) -> None:
+        self.refill()
+        self.step()   # compiles the kernels outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph):
+            self.step()
+
+    def replay(self, wrong: torch.Tensor) -> None:
+        """New inputs, a replay, and the count of wrong tokens added to `wrong` (on the GPU)."""
+        self.refill()
+        self.graph.replay()
+        x, idx, weights = self.x, self.idx, self.weights
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=self.dev)
+        for k in range(self.topk):
             scaled = x.float() * torch.pow(2.0, (idx[:, k:k + 1] % 4).float())
             acc = torch.where((idx[:, k] >= 0)[:, None], acc + weights[:, k:k + 1] * scaled, acc)
-        wrong += (out != acc.to(torch.bfloat16)).any(dim=1).sum()
+        wrong += (self.out != acc.to(torch.bfloat16)).any(dim=1).sum()
+
+
+def _graph_buffer(ctx, n: int, hidden: int, num_experts: int):
+    from deep_ep import Buffer
+    return Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, ctx.world_size, num_experts),
+                  low_latency_mode=True, transport="nvlink", explicitly_destroy=True, timeout_s=60)
+
+
+def run_graph(ctx, seed: int, replays: int, hook: bool, few_tokens: bool = False) -> Dict[str, int]:
+    """One captured round trip replayed `replays` times with new data and routing; mismatching tokens are
+    counted on the GPU and read once at the end. `few_tokens`: 4 tokens on rank 0 and none on the others
+    (without a hook, the single fused kernel)."""
+    n, hidden, topk, num_experts = 64, 2048, 8, 8 * ctx.world_size
+    buffer = _graph_buffer(ctx, n, hidden, num_experts)
+    gen = torch.Generator(device=ctx.device)
+    gen.manual_seed(seed + ctx.rank)
+    num_tokens = (4 if ctx.rank == 0 else 0) if few_tokens else n - 7 * ctx.rank
+    trip = _GraphedRoundTrip(ctx, buffer, n, hidden, topk, num_experts, num_tokens, hook, gen)
+    trip.capture()
+    wrong = torch.zeros((), dtype=torch.int64, device=ctx.device)
+    for _ in range(replays):
+        trip.replay(wrong)
     result = dict(wrong_tokens=int(wrong))
     buffer.destroy()
     return result
@@ -238,6 +263,34 @@ def test_ll_nvlink_cuda_graph_replays(pool, hook, few_tokens):
     seed = base_seed()
     replays = GRAPH_REPLAYS if not (hook or few_tokens) else 200 if hook else 2000
     results = pool(2).run(run_graph, seed, replays, hook, few_tokens, timeout=900)
+    for rank, r in enumerate(results):
+        assert r["wrong_tokens"] == 0, f"seed {seed}: rank {rank}: {r['wrong_tokens']} wrong tokens"
+
+
+def run_graphs_interleaved(ctx, seed: int, replays: int) -> Dict[str, int]:
+    """Several graphs on one Buffer, as serving engines capture one per batch size: a full batch, a batch of a
+    few tokens (the fused kernel) and a batch with hooks, each captured once, then replayed in an order drawn
+    at random (the same on every rank) with new data every time."""
+    n, hidden, topk, num_experts = 64, 1024, 8, 8 * ctx.world_size
+    buffer = _graph_buffer(ctx, n, hidden, num_experts)
+    gen = torch.Generator(device=ctx.device)
+    gen.manual_seed(seed + ctx.rank)
+    trips = [_GraphedRoundTrip(ctx, buffer, n, hidden, topk, num_experts, tokens, hook, gen)
+             for tokens, hook in ((n - 5 * ctx.rank, False), (3 - ctx.rank % 2, False), (17 + ctx.rank, True))]
+    for trip in trips:
+        trip.capture()
+    order = torch.randint(len(trips), (replays,), generator=torch.Generator().manual_seed(seed)).tolist()
+    wrong = torch.zeros((), dtype=torch.int64, device=ctx.device)
+    for which in order:
+        trips[which].replay(wrong)
+    result = dict(wrong_tokens=int(wrong))
+    buffer.destroy()
+    return result
+
+
+def test_ll_nvlink_several_graphs_on_one_buffer(pool):
+    seed = base_seed()
+    results = pool(2).run(run_graphs_interleaved, seed, 600, timeout=600)
     for rank, r in enumerate(results):
         assert r["wrong_tokens"] == 0, f"seed {seed}: rank {rank}: {r['wrong_tokens']} wrong tokens"
 
