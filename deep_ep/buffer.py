@@ -206,11 +206,13 @@ class Buffer:
             return
         if not _capturing(self.device):
             return
-        if not (transport.low_latency_graph_capturable if low_latency else transport.graph_capturable):
-            host_wait = ("this Buffer's {} calls exchange with the other ranks on the host (those of the NVLink "
-                         "transport do not: ranks of one node{})").format(
-                             *(("low-latency", ", num_rdma_bytes > 0 and allow_nvlink_for_low_latency_mode")
-                               if low_latency else ("normal-mode", "")))
+        if low_latency:   # (capturable low-latency paths returned above)
+            host_wait = ("this Buffer's low-latency calls exchange with the other ranks on the host (those of the "
+                         "NVLink transport do not: ranks of one node, num_rdma_bytes > 0 and "
+                         "allow_nvlink_for_low_latency_mode)")
+        elif not transport.graph_capturable:
+            host_wait = ("this Buffer's normal-mode calls exchange with the other ranks on the host (those of the "
+                         "NVLink transport do not: ranks of one node)")
         elif host_wait is None and num_channels is not None:
             host_wait = transport.capture_host_wait(num_channels)
         if host_wait is not None:
@@ -628,7 +630,7 @@ class Buffer:
     def _run_low_latency(self, launch, finish, half: int, name: str, async_finish: bool, return_recv_hook: bool,
                          inputs: tuple):
         """Launch, then either return a hook, or receive at once on the comm stream (async) / current stream."""
-        ordered = self.device.type == "cuda" and not torch._C._cuda_isCurrentStreamCapturing()
+        ordered = self.device.type == "cuda" and not _capturing(self.device)
         if ordered:   # (inside a CUDA-graph capture the captured order holds)
             self._order_after_last_receive(half, return_recv_hook)
         if return_recv_hook:

@@ -69,6 +69,14 @@ class _Packer:
         return out
 
 
+def dispatch_fields(x, x_scales, topk_idx, num_channels: int, **more: int) -> Dict[str, int]:
+    """What every rank's dispatch must agree on, as ints (dtypes as `checks.dtype_code`s; -1 or 0: absent)."""
+    return dict(hidden=x.shape[1], dtype=dtype_code(x.dtype),
+                num_scales=-1 if x_scales is None else x_scales.shape[1],
+                scales_dtype=0 if x_scales is None else dtype_code(x_scales.dtype),
+                topk=-1 if topk_idx is None else topk_idx.shape[1], num_channels=num_channels, **more)
+
+
 def _exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cumsum(t, dim=dim) - t
 
@@ -212,12 +220,6 @@ class ReferenceTransport(Transport):
         return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
 
     # ---- normal dispatch ------------------------------------------------------------------------------
-    def _dispatch_header(self, x, x_scales, topk_idx, num_channels, **more) -> Dict[str, int]:
-        return dict(hidden=x.shape[1], dtype=dtype_code(x.dtype),
-                    num_scales=-1 if x_scales is None else x_scales.shape[1],
-                    scales_dtype=0 if x_scales is None else dtype_code(x_scales.dtype),
-                    topk=-1 if topk_idx is None else topk_idx.shape[1], num_channels=num_channels, **more)
-
     def _node_masks(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:
         """[T, nodes] int32 bitmask of the local ranks of each node that receive each token."""
         topo = self.topology
@@ -232,7 +234,7 @@ class ReferenceTransport(Transport):
         num_ranks, num_experts = topo.num_ranks, num_tokens_per_expert.numel()
         experts_per_rank = num_experts // num_ranks
         extra = torch.cat([num_tokens_per_rank.to("cpu", torch.int64), torch.tensor([num_worst_tokens])])
-        gathered_per_rank = self._agree("dispatch", self._dispatch_header(
+        gathered_per_rank = self._agree("dispatch", dispatch_fields(
             x, x_scales, topk_idx, num_channels, num_experts=num_experts,
             has_weights=int(topk_weights is not None)), extra=extra)
         # every rank knows what every rank receives and every rank's num_worst_tokens (each rank may pass its
@@ -396,7 +398,7 @@ class ReferenceTransport(Transport):
         topo = self.topology
         is_token_in_rank = handle[0] if topo.is_internode else handle[4]
         route = self._route_of(handle)
-        self._agree_on_route("dispatch (cached)", self._dispatch_header(x, x_scales, None, num_channels), route)
+        self._agree_on_route("dispatch (cached)", dispatch_fields(x, x_scales, None, num_channels), route)
         num_recv = sum(route.recv_splits)
         num_rows = (handle[7] if topo.is_internode else handle[3]).shape[0]
         recv = self._exchange_dispatch_rows(x, x_scales, None, None, is_token_in_rank, route, num_rows,

@@ -31,11 +31,11 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
-from ...checks import disagreement, dtype_code
+from ...checks import disagreement
 from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology
 from ..base import DispatchOutput, Transport
-from ..reference import ReferenceTransport
+from ..reference import ReferenceTransport, dispatch_fields
 from .launcher import Pointer, Relaunch
 
 CMAX = 64                      # most channels (num_sms / 2) an operation may use
@@ -270,13 +270,12 @@ class NVLinkTransport(Transport):
         experts_per_rank = num_experts // R
         self._begin(C)
         geometry = self._dispatch_geometry(x, x_scales, topk_idx, C)
-        call = _DispatchCall(x.shape[1], dtype_code(x.dtype), -1 if x_scales is None else x_scales.shape[1],
-                             0 if x_scales is None else dtype_code(x_scales.dtype),
-                             -1 if topk_idx is None else topk_idx.shape[1], int(topk_weights is not None), C,
-                             num_experts)
-        signature = self._signatures.get(call)
+        call = dispatch_fields(x, x_scales, topk_idx, C, num_experts=num_experts,
+                               has_weights=int(topk_weights is not None))
+        key = tuple(call.values())
+        signature = self._signatures.get(key)
         if signature is None:
-            signature = self._signatures[call] = _signature("dispatch", *call, self.total_words)
+            signature = self._signatures[key] = _signature("dispatch", *key, self.total_words)
         key = ("notify", C, num_experts, bool(num_worst_tokens))
         prepare, notify, fill_plan, plan_tables = self._launch(key, lambda: self._notify_launches(key))
         before = torch.empty((num_tokens + 1, R), dtype=torch.int32, device=dev)
@@ -346,13 +345,13 @@ class NVLinkTransport(Transport):
         offsets = tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
         return prepare, notify, plan, offsets
 
-    def _wait_counts(self, payload, signature: int, call: "_DispatchCall"):
+    def _wait_counts(self, payload, signature: int, call: Dict[str, int]):
         """The API's host wait for the received counts; with it, every rank learns whether all ranks called
         with the same shapes and valid values, and if not, all of them raise before any row moves."""
         host = payload.cpu().tolist()
         self._check_status()
         R, rank = self.topology.num_ranks, self.topology.rank
-        num_experts = call.num_experts
+        num_experts = call["num_experts"]
         E_loc = len(host) - 1 - 2 * R - 6
         num_recv, aligned = host[0], host[1:1 + E_loc]
         signatures, flags = host[1 + E_loc:1 + E_loc + R], host[1 + E_loc + R:1 + E_loc + 2 * R]
@@ -361,9 +360,10 @@ class NVLinkTransport(Transport):
         if others:
             # every rank sees a difference; when all of them wait here they compare the calls to name it
             if not any(f & 8 for f in flags):
-                calls = self.group.gather_int_lists(list(call), "dispatch (comparing the calls)")
+                mine = list(call.values())
+                calls = self.group.gather_int_lists(mine, "dispatch (comparing the calls)")
                 for other in others:
-                    message = disagreement("dispatch", _DispatchCall._fields, list(call), calls[other], rank, other)
+                    message = disagreement("dispatch", list(call), mine, calls[other], rank, other)
                     if message:
                         raise ValueError(message)
             raise ValueError(f"dispatch: rank(s) {others} called dispatch with a different hidden size, dtype, scales, "
@@ -603,18 +603,6 @@ def _before(is_token_in_rank: torch.Tensor) -> torch.Tensor:
                          device=is_token_in_rank.device)
     torch.cumsum(is_token_in_rank, dim=0, dtype=torch.int32, out=counts[1:])
     return counts
-
-
-class _DispatchCall(NamedTuple):
-    """What every rank's non-cached dispatch must agree on (dtypes as `checks.dtype_code`s; -1: absent)."""
-    hidden: int
-    dtype: int
-    num_scales: int
-    scales_dtype: int
-    topk: int
-    topk_weights: int
-    num_channels: int
-    num_experts: int
 
 
 def _signature(*fields) -> int:
