@@ -12,6 +12,8 @@
 #   DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0, part of ll on 2 GPUs; ll-other: the rest; on one GPU they run one
 #   after the other, so there a call of at most 10 minutes takes one of them);
 #   other: the rest of the suite
+#   deepep: DeepEP's own V1 test scripts against this package (benchmarks/deepep_tests.py; 2 GPUs and a copy of
+#           DeepEP's V1 tests folder in _deepep_tests/), after the benchmark and before the tests
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DEEP_EP_TEST_TIMEOUT_S=500 DEEP_EP_TEST_BUFFER_TIMEOUT_S=60
@@ -62,6 +64,18 @@ if has bench; then
     fi
 fi
 
+if has deepep; then
+    if [ -d _deepep_tests ] && [ "$gpus" -ge 2 ]; then
+        for script in test_intranode test_low_latency; do
+            timeout "$limit" python3 benchmarks/deepep_tests.py _deepep_tests $script --num-processes 2 \
+                > "$out/deepep_$script.log" 2>&1
+            echo "deepep $script exit $?" >> "$out/deepep_$script.log"
+        done
+    else
+        echo "deepep: needs DeepEP's V1 tests in _deepep_tests/ and 2 GPUs" > "$out/deepep_skipped.log"
+    fi
+fi
+
 run_tests() {   # log name, then pytest arguments
     local log=$1
     shift
@@ -107,6 +121,11 @@ for log in tests_nvlink_sweep tests_nvlink_rings tests_nvlink_model tests_nvlink
     grep -v "CudaIPCTypes" "$out/$log.log" | grep -E "(PASSED|FAILED|ERROR)( |$)|^(FAILED|ERROR) |passed|failed| exit " \
         | grep -v "^tests/test_[a-z_]*.py::.* PASSED" | tail -n 12
     echo "PASSED: $(grep -c ' PASSED' "$out/$log.log")"
+done
+for log in "$out"/deepep_*.log; do
+    [ -f "$log" ] || continue
+    echo "--- $(basename "$log" .log)"
+    grep -v "CudaIPCTypes" "$log" | grep -E "passed|Error|error|Kernel performance|Best|bandwidth|send/recv| exit " | tail -n 20
 done
 if [ -f "$out/bench.txt" ]; then
     grep -v '^\[' "$out/bench.txt" | grep -v CudaIPCTypes

@@ -264,7 +264,7 @@ class Buffer:
         self._live("get_local_buffer_tensor")
         raw = self._rdma_buffer if use_rdma_buffer else self._nvl_buffer
         check_int("offset", offset, minimum=0, maximum=raw.numel())
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         if offset % element:
             raise ValueError(f"offset must be a multiple of the element size {element}, got {offset}")
         usable = (raw.numel() - offset) // element * element

@@ -82,7 +82,7 @@ class Config:
         num_rdma_ranks = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
         num_nvl_ranks = min(num_ranks, NUM_MAX_NVL_PEERS)
         channels, ring = self.num_channels, self.num_max_nvl_chunked_recv_tokens
-        idx_bytes = torch.tensor([], dtype=topk_idx_t).element_size()
+        idx_bytes = topk_idx_t.itemsize
         source_meta_bytes = 8
         slots = channels * num_nvl_ranks * ring
         total = (channels * num_nvl_ranks * (2 * num_rdma_ranks + 3) * 4
@@ -102,7 +102,7 @@ class Config:
             return 0
         num_rdma_ranks = -(-num_ranks // NUM_MAX_NVL_PEERS)
         channels, ring = self.num_channels, self.num_max_rdma_chunked_recv_tokens
-        idx_bytes = torch.tensor([], dtype=topk_idx_t).element_size()
+        idx_bytes = topk_idx_t.itemsize
         slots = channels * num_rdma_ranks * ring
         total = (channels * num_rdma_ranks * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
                  + slots * hidden_bytes * 2

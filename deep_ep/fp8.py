@@ -41,12 +41,12 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0:
     v = _groups(x)
     amax = v.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
     if round_scale:
-        exponent = ceil_log2(amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
+        exponent = ceil_log2(amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device))
         scaled = torch.ldexp(v, -exponent.to(torch.float32))
         scale_inv = torch.ldexp(torch.ones_like(amax), exponent.to(torch.float32))
     else:
-        scaled = v * (torch.tensor(FP8_MAX, dtype=torch.float32) / amax)
-        scale_inv = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+        scaled = v * (torch.tensor(FP8_MAX, dtype=torch.float32, device=amax.device) / amax)
+        scale_inv = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
     tokens, hidden = x.shape
     data = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(1)[:, :hidden].contiguous()
     scales = scale_inv.squeeze(-1)

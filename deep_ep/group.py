@@ -96,7 +96,7 @@ class Group:
         """Every rank's list of ints (the same length on every rank), by rank."""
         if self.group is None:
             return [[int(v) for v in row] for row in self.comm.allgather([int(v) for v in values])]
-        return self.all_gather(torch.tensor(list(values), dtype=torch.int64), what).tolist()
+        return self.all_gather(torch.tensor(list(values), dtype=torch.int64, device="cpu"), what).tolist()
 
     def agree_on(self, values: Dict[str, int], what: str, extra: Sequence[int] = (),
                  shown: Callable[[str, int], Any] = lambda name, value: value) -> List[List[int]]:

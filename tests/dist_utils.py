@@ -51,6 +51,46 @@ def run_deterministic(ctx: RankContext, fn: Callable[..., Any], *args: Any) -> A
         deterministic.fill_uninitialized_memory = before[2]
 
 
+def run_under_defaults(ctx: RankContext, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(ctx, *args)` with every call into a Buffer (its methods and the receive hooks they return) made
+    under a default device and dtype that the library must not depend on: `torch.device("meta")` and
+    bfloat16. Clients set defaults like these (DeepEP's own test scripts set the default device to CUDA and
+    the default dtype to bfloat16; model code is often built under `with torch.device(...)`): a tensor the
+    library creates without naming its device or its float dtype then breaks the call or changes its result."""
+    import functools
+    import deep_ep
+
+    def under_defaults(method):
+        @functools.wraps(method)
+        def call(*call_args, **call_kwargs):
+            before = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                with torch.device("meta"):
+                    result = method(*call_args, **call_kwargs)
+            finally:
+                torch.set_default_dtype(before)
+            if isinstance(result, tuple) and result and callable(result[-1]) and method.__name__.startswith("low_"):
+                result = (*result[:-1], under_defaults(result[-1]))   # (the receive hook)
+            return result
+        return call
+
+    def wrapped(value):
+        if isinstance(value, (staticmethod, classmethod)):
+            return type(value)(under_defaults(value.__func__))
+        return under_defaults(value)
+
+    methods = {name: wrapped(value) for name, value in vars(deep_ep.Buffer).items()
+               if callable(value) and (not name.startswith("_") or name == "__init__")}
+    patched = type("BufferUnderDefaults", (deep_ep.Buffer,), methods)
+    original = deep_ep.Buffer
+    deep_ep.Buffer = patched
+    try:
+        return fn(ctx, *args)
+    finally:
+        deep_ep.Buffer = original
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -919,6 +919,17 @@ def test_low_latency_in_deterministic_mode(pool):
     assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
 
 
+def test_low_latency_under_a_default_device_and_dtype(pool):
+    """The 2-rank cases and the pipeline with every Buffer call (and receive hook) made under a default device
+    (meta) and dtype (bfloat16) that the library must not use (dist_utils.run_under_defaults)."""
+    from dist_utils import run_under_defaults
+    seed = base_seed()
+    names = [f"case {c['name']}" for c in cases_for(2)] + ["pipeline", "shrink"]
+    results = pool(2).run(run_under_defaults, run_all, seed, names)
+    errors = [e for per_rank in results for e in per_rank]
+    assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
+
+
 def test_model_e4m3_encoder_matches_torch_cast():
     """The model's bit-level e4m3 cast agrees with torch's float8 conversion (RNE) on many values, including
     every midpoint between neighbouring e4m3 values and its float32 neighbours (ties to even)."""

@@ -600,6 +600,21 @@ def test_intranode_in_deterministic_mode(pool):
     _report(seed, lambda: pool(2).run(run_deterministic, run_cases, seed, CASES_2))
 
 
+def test_intranode_under_a_default_device_and_dtype(pool):
+    """The 2-rank cases with every Buffer call made under a default device (meta) and dtype (bfloat16) that
+    the library must not use (dist_utils.run_under_defaults)."""
+    from dist_utils import run_under_defaults
+    seed = base_seed()
+    _report(seed, lambda: pool(2).run(run_under_defaults, run_cases, seed, CASES_2))
+
+
+def test_internode_under_a_default_device_and_dtype(pool):
+    """As above, for 2 nodes x 2 ranks (the internode handle and the two-level combine)."""
+    from dist_utils import run_under_defaults
+    seed = base_seed()
+    _report(seed, lambda: pool(4).run(run_under_defaults, run_cases, seed, CASES_2X2[:2], 2))
+
+
 def test_internode_2_nodes_x_2_ranks(pool):
     seed = base_seed()
     cases = CASES_2X2 + random_cases(seed, 4, 3, internode=True) + [

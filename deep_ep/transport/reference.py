@@ -149,8 +149,8 @@ class ReferenceTransport(Transport):
         self._call_number += 1
         values = [_OPS[op], self._call_number] + list(fields.values())
         assert len(values) <= _HEADER_FIELDS
-        header = torch.zeros(_HEADER_FIELDS + 2 * self.topology.num_ranks + 1, dtype=torch.int64)
-        header[:len(values)] = torch.tensor(values, dtype=torch.int64)
+        header = torch.zeros(_HEADER_FIELDS + 2 * self.topology.num_ranks + 1, dtype=torch.int64, device="cpu")
+        header[:len(values)] = torch.tensor(values, dtype=torch.int64, device="cpu")
         if extra is not None:
             header[_HEADER_FIELDS:_HEADER_FIELDS + extra.numel()] = extra.to("cpu", torch.int64)
         gathered = self.group.all_gather(header, f"{op} (header exchange)", ranks)
@@ -171,7 +171,7 @@ class ReferenceTransport(Transport):
         """_agree, and check that the ranks' handles come from the same dispatch: what each rank's handle says
         it sent to every rank is what that rank's handle says it received (else ValueError on every rank)."""
         R = self.topology.num_ranks
-        gathered = self._agree(op, fields, extra=torch.tensor(route.send_splits + route.recv_splits + [route.dispatch]))
+        gathered = self._agree(op, fields, extra=torch.tensor(route.send_splits + route.recv_splits + [route.dispatch], device="cpu"))
         sent, received, dispatches = gathered[:, :R], gathered[:, R:2 * R], gathered[:, 2 * R]
         known = dispatches[dispatches >= 0]
         if known.numel() and not bool((known == known[0]).all()):
@@ -233,7 +233,7 @@ class ReferenceTransport(Transport):
         topo = self.topology
         num_ranks, num_experts = topo.num_ranks, num_tokens_per_expert.numel()
         experts_per_rank = num_experts // num_ranks
-        extra = torch.cat([num_tokens_per_rank.to("cpu", torch.int64), torch.tensor([num_worst_tokens])])
+        extra = torch.cat([num_tokens_per_rank.to("cpu", torch.int64), torch.tensor([num_worst_tokens], device="cpu")])
         gathered_per_rank = self._agree("dispatch", dispatch_fields(
             x, x_scales, topk_idx, num_channels, num_experts=num_experts,
             has_weights=int(topk_weights is not None)), extra=extra)
@@ -347,14 +347,14 @@ class ReferenceTransport(Transport):
         topo, dev = self.topology, self.device
         column = experts_per_rank + num_channels
         # node-level counts that the rank with our local index on each node sent towards our node
-        same_local = torch.arange(topo.num_nodes) * topo.ranks_per_node + topo.local_rank
+        same_local = torch.arange(topo.num_nodes, device=received.device) * topo.ranks_per_node + topo.local_rank
         recv_node_channel_counts = received[same_local, column:column + num_channels]       # [nodes, C]
         recv_rdma_channel_prefix = torch.cumsum(recv_node_channel_counts, dim=1).to(torch.int32)
         recv_rdma_rank_prefix_sum = torch.cumsum(recv_node_channel_counts.sum(1), dim=0).to(torch.int32)
         rank_start = _exclusive_cumsum(recv_channel_counts.sum(1))
         recv_gbl_channel_prefix = (rank_start[:, None] + _exclusive_cumsum(recv_channel_counts, dim=1)).to(torch.int32)
         recv_gbl_rank_prefix_sum = rank_prefix_matrix[:, topo.rank].contiguous()
-        meta = torch.zeros((num_rows, 2), dtype=torch.int32)
+        meta = torch.zeros((num_rows, 2), dtype=torch.int32, device="cpu")
         meta[:num_recv, 0] = (recv["source"] // topo.ranks_per_node).to(torch.int32).cpu()
         meta[:num_recv, 1] = recv["node_mask"].cpu()
         recv_src_meta = meta.view(torch.uint8).view(num_rows, 8)
@@ -383,8 +383,8 @@ class ReferenceTransport(Transport):
         packed = masks[token, node].contiguous().view(torch.uint8).view(-1, 4)
         recv_masks = self._exchange_rows(packed, send_splits, recv_splits,
                                          "dispatch (node mask exchange)").wait().view(torch.int32).view(-1).cpu()
-        bits = ((recv_masks[:, None] >> torch.arange(topo.ranks_per_node)) & 1).bool()    # [n_rdma, L]
-        head = torch.full(bits.shape, -1, dtype=torch.int32)
+        bits = ((recv_masks[:, None] >> torch.arange(topo.ranks_per_node, device="cpu")) & 1).bool()    # [n_rdma, L]
+        head = torch.full(bits.shape, -1, dtype=torch.int32, device="cpu")
         start = 0
         for count in recv_splits:
             if count:
@@ -536,7 +536,7 @@ class ReferenceTransport(Transport):
             keep = (mask.cpu()[source] == 0) if mask is not None else torch.ones_like(source, dtype=torch.bool)
             local_expert = rows["expert"].long().cpu()
             group_start = _exclusive_cumsum(sent_counts.flatten()).view(num_ranks, experts_per_rank)
-            rank_in_group = torch.arange(source.numel()) - group_start[source, local_expert]
+            rank_in_group = torch.arange(source.numel(), device="cpu") - group_start[source, local_expert]
             position = begin[source, local_expert] + rank_in_group
             keep_idx = keep.nonzero(as_tuple=True)[0]
             e, p = local_expert[keep_idx].to(dev), position[keep_idx].to(dev)
@@ -567,10 +567,10 @@ class ReferenceTransport(Transport):
         per_source = counts.sum(0)
         flat_counts = counts.t().flatten()                                                # [R * E_loc] source-major
         flat_begins = begins.t().flatten()
-        expert_of_block = torch.arange(experts_per_rank).repeat(num_ranks)
+        expert_of_block = torch.arange(experts_per_rank, device="cpu").repeat(num_ranks)
         total = int(flat_counts.sum())
         block = _segment_ids(flat_counts.tolist())
-        offset_in_block = torch.arange(total) - _exclusive_cumsum(flat_counts)[block]
+        offset_in_block = torch.arange(total, device="cpu") - _exclusive_cumsum(flat_counts)[block]
         expert_ids = expert_of_block[block].to(x.device)
         positions = (flat_begins[block] + offset_in_block).to(x.device)
         rows = x[expert_ids, positions]
@@ -639,8 +639,8 @@ def _occurrence(keys: torch.Tensor) -> torch.Tensor:
 
 def _segment_ids(lengths: Sequence[int]) -> torch.Tensor:
     """[sum(lengths)] int64 on the CPU: i repeated lengths[i] times."""
-    ids = torch.zeros(sum(lengths), dtype=torch.int64)
-    bounds = torch.tensor(lengths, dtype=torch.int64).cumsum(0)[:-1]
+    ids = torch.zeros(sum(lengths), dtype=torch.int64, device="cpu")
+    bounds = torch.tensor(lengths, dtype=torch.int64, device="cpu").cumsum(0)[:-1]
     bounds = bounds[bounds < ids.numel()]
     ids.index_add_(0, bounds, torch.ones_like(bounds))
     return ids.cumsum(0)

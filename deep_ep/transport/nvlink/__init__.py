@@ -131,7 +131,7 @@ class NVLinkTransport(Transport):
         torch.cuda.synchronize(device)
         self.peers = PeerBuffers(memory, group)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
-        self.status = torch.zeros(4, dtype=torch.int32).pin_memory()
+        self.status = torch.zeros(4, dtype=torch.int32, device="cpu").pin_memory()
         self._status_words = self.status.numpy()   # the same pinned memory, read without torch overhead
         self.layout_bad = torch.zeros(2, dtype=torch.int64, device=device)
         # layout.py's DONE and SUMS, zeros between calls; SUMS is set up at the first call

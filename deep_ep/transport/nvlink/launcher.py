@@ -70,7 +70,7 @@ class Pointer:
     def as_tensor(self) -> torch.Tensor:
         """The memory from the address to the end of the tensor's storage, as a flat tensor of `dtype`."""
         storage = self.tensor.untyped_storage()
-        size = torch.empty((), dtype=self.dtype).element_size()
+        size = self.dtype.itemsize
         start = self.address - storage.data_ptr()
         return torch.empty(0, dtype=self.dtype, device=self.tensor.device).set_(
             storage, start // size, ((storage.nbytes() - start) // size,))
