@@ -1,17 +1,22 @@
-"""Run DeepEP V1's own test scripts against this package: `tests/test_intranode.py` and
-`tests/test_low_latency.py` (with their `tests/utils.py`) of a DeepEP checkout of the V1 line (e.g. tag
-v1.2.1), which exercise the public API the way DeepEP's authors do and print DeepEP's own figures.
+"""Run DeepEP V1's own test scripts against this package: `tests/test_intranode.py`,
+`tests/test_internode.py` and `tests/test_low_latency.py` (with their `tests/utils.py`) of a DeepEP
+checkout of the V1 line (e.g. tag v1.2.1), which exercise the public API the way DeepEP's authors do and
+print DeepEP's own figures.
 
     python benchmarks/deepep_tests.py DEEPEP_TESTS_DIR test_low_latency --num-processes 2 [script arguments]
     python benchmarks/deepep_tests.py DEEPEP_TESTS_DIR test_intranode --num-processes 2 --num-tokens 256 --hidden 1024
 
 On GPUs the script runs as it is (NCCL, `cuda:local_rank`). Without GPUs, or with `--cpu` before the
-script's name, it runs on CPU tensors over gloo with what the script cannot do there replaced: tensors it
+tests folder, it runs on CPU tensors over gloo with what the script cannot do there replaced: tensors it
 creates with `device='cuda'` are made on the CPU, `init_dist` starts a gloo group (and sets the default
 dtype to bfloat16 as the script's does), `dist.all_gather_into_tensor` gathers through a list (gloo takes
-no stacked output), `bench` times with `time.perf_counter` and `bench_kineto` (kernel times from the CUDA
-profiler) reports NaN without running the calls that use receive hooks (each of them multiplies two
-8192 x 8192 matrices). Its checks are unchanged, so a run that ends without an error has passed them.
+no stacked output), `bench` times with `time.perf_counter`, and `bench_kineto` (kernel times from the CUDA
+profiler) gives the host time of one call for every kernel name, or NaN without running the calls that
+use receive hooks (each of them multiplies two 8192 x 8192 matrices). Its checks are unchanged, so a run
+that ends without an error has passed them. As in DeepEP, WORLD_SIZE and RANK (environment) give the
+number of nodes and this node's index, so two runs with WORLD_SIZE=2 and RANK=0 / 1 (same MASTER_PORT)
+are two nodes of `--num-processes` ranks each (`test_internode` wants 8 a node); on one host the Buffers
+then get `num_ranks_per_node` so that each run's ranks form a node.
 """
 import argparse
 import functools
@@ -42,12 +47,14 @@ class _CudaOnCpu(TorchFunctionMode):
 
 
 def _init_dist(local_rank: int, num_local_ranks: int):
+    """DeepEP's init_dist on gloo: WORLD_SIZE nodes of `num_local_ranks` ranks, this one node RANK."""
     address, port = os.getenv("MASTER_ADDR", "127.0.0.1"), int(os.getenv("MASTER_PORT", "8361"))
-    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", world_size=num_local_ranks,
-                            rank=local_rank)
+    num_nodes, node = int(os.getenv("WORLD_SIZE", "1")), int(os.getenv("RANK", "0"))
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", world_size=num_nodes * num_local_ranks,
+                            rank=node * num_local_ranks + local_rank)
     torch.set_default_dtype(torch.bfloat16)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local_ranks))
-    return dist.get_rank(), dist.get_world_size(), dist.new_group(list(range(num_local_ranks)))
+    return dist.get_rank(), dist.get_world_size(), dist.new_group(list(range(num_nodes * num_local_ranks)))
 
 
 def _bench(fn: Callable[[], Any], num_warmups: int = 2, num_tests: int = 5, post_fn=None):
@@ -65,9 +72,15 @@ def _bench(fn: Callable[[], Any], num_warmups: int = 2, num_tests: int = 5, post
 
 def _bench_kineto(fn, kernel_names, num_tests: int = 30, suppress_kineto_output: bool = False, trace_path=None,
                   barrier_comm_profiling: bool = False, num_kernels_per_period: int = 1):
-    if not (isinstance(fn, functools.partial) and fn.keywords.get("return_recv_hook")):
+    """The host time of one call for every kernel name (no kernel times on a CPU; the tuning loops only need
+    numbers to compare); NaN without running it for a call with receive hooks."""
+    if isinstance(fn, functools.partial) and fn.keywords.get("return_recv_hook"):
+        seconds = math.nan
+    else:
+        start = time.perf_counter()
         fn()
-    one = [math.nan] * num_kernels_per_period if num_kernels_per_period > 1 else math.nan
+        seconds = time.perf_counter() - start
+    one = [seconds] * num_kernels_per_period if num_kernels_per_period > 1 else seconds
     return tuple(one for _ in kernel_names) if isinstance(kernel_names, tuple) else one
 
 
@@ -79,6 +92,13 @@ def _run_on_cpu(local_rank: int, num_local_ranks: int, args: argparse.Namespace,
     sys.path[:0] = [tests_dir, REPO]
     import utils
     utils.init_dist, utils.bench, utils.bench_kineto = _init_dist, _bench, _bench_kineto
+    import deep_ep
+    if int(os.getenv("WORLD_SIZE", "1")) > 1:   # every host is this one: nodes of num_local_ranks ranks, as DeepEP's
+        buffer_init = deep_ep.Buffer.__init__
+
+        def init_with_nodes(self, *init_args, **init_kwargs):
+            buffer_init(self, *init_args, **dict(init_kwargs, num_ranks_per_node=num_local_ranks))
+        deep_ep.Buffer.__init__ = init_with_nodes
     module = importlib.import_module(script)
     for name, replacement in (("init_dist", _init_dist), ("bench", _bench), ("bench_kineto", _bench_kineto)):
         if hasattr(module, name):
@@ -89,13 +109,15 @@ def _run_on_cpu(local_rank: int, num_local_ranks: int, args: argparse.Namespace,
 
 
 def _script_arguments(tests_dir: str, script: str, argv) -> argparse.Namespace:
-    """The script's own argument parser (the statements that build it under `__main__`), applied to argv."""
+    """The script's own arguments: the statements of its `__main__` block from its parser up to the spawn,
+    applied to argv."""
     source = open(os.path.join(tests_dir, script + ".py")).read()
     start = source.index("    parser = argparse.ArgumentParser")
-    end = source.index("    args = parser.parse_args()")
-    namespace = {"argparse": argparse}
-    exec("def make_parser():\n" + source[start:end] + "    return parser\n", namespace)
-    return namespace["make_parser"]().parse_args(argv)
+    end = source.index("    num_processes = args.num_processes")
+    body = source[start:end].replace("parser.parse_args()", "parser.parse_args(argv)")
+    namespace = {"argparse": argparse, "os": os}
+    exec("def arguments(argv):\n" + body + "    return args\n", namespace)
+    return namespace["arguments"](argv)
 
 
 def main() -> int:
@@ -103,17 +125,19 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run on CPU tensors over gloo even with GPUs")
     parser.add_argument("tests_dir", help="DeepEP's tests folder (V1 line: test_*.py and utils.py)")
-    parser.add_argument("script", choices=["test_intranode", "test_low_latency"])
+    parser.add_argument("script", choices=["test_intranode", "test_internode", "test_low_latency"])
     ours, rest = parser.parse_known_args()
     tests_dir = os.path.abspath(ours.tests_dir)
     if not ours.cpu and torch.cuda.is_available():
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, tests_dir, os.environ.get("PYTHONPATH", "")]))
         return subprocess.call([sys.executable, os.path.join(tests_dir, ours.script + ".py"), *rest], env=env)
     args = _script_arguments(tests_dir, ours.script, rest)
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if int(os.getenv("WORLD_SIZE", "1")) == 1:   # (several nodes share MASTER_PORT, DeepEP's default 8361)
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     torch.multiprocessing.spawn(_run_on_cpu, args=(args.num_processes, args, tests_dir, ours.script),
                                 nprocs=args.num_processes)
-    print(f"{ours.script}: every check passed on CPU ({args.num_processes} ranks, gloo)")
+    print(f"{ours.script}: every check passed on CPU ({args.num_processes} ranks, node {os.getenv('RANK', '0')} of "
+          f"{os.getenv('WORLD_SIZE', '1')}, gloo)")
     return 0
 
 
