@@ -129,9 +129,11 @@ def main() -> int:
     ours, rest = parser.parse_known_args()
     tests_dir = os.path.abspath(ours.tests_dir)
     if not ours.cpu and torch.cuda.is_available():
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, tests_dir, os.environ.get("PYTHONPATH", "")]))
+        paths = [REPO, tests_dir] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
         return subprocess.call([sys.executable, os.path.join(tests_dir, ours.script + ".py"), *rest], env=env)
     args = _script_arguments(tests_dir, ours.script, rest)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""   # (the ranks' Buffers would otherwise pick a GPU)
     if int(os.getenv("WORLD_SIZE", "1")) == 1:   # (several nodes share MASTER_PORT, DeepEP's default 8361)
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     torch.multiprocessing.spawn(_run_on_cpu, args=(args.num_processes, args, tests_dir, ours.script),

@@ -41,12 +41,12 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0:
     v = _groups(x)
     amax = v.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
     if round_scale:
-        exponent = ceil_log2(amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device))
+        exponent = ceil_log2(amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device="cpu"))
         scaled = torch.ldexp(v, -exponent.to(torch.float32))
         scale_inv = torch.ldexp(torch.ones_like(amax), exponent.to(torch.float32))
     else:
-        scaled = v * (torch.tensor(FP8_MAX, dtype=torch.float32, device=amax.device) / amax)
-        scale_inv = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
+        scaled = v * (torch.tensor(FP8_MAX, dtype=torch.float32, device="cpu") / amax)
+        scale_inv = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device="cpu")
     tokens, hidden = x.shape
     data = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(1)[:, :hidden].contiguous()
     scales = scale_inv.squeeze(-1)
@@ -113,7 +113,7 @@ def logfmt_roundtrip(x: torch.Tensor) -> torch.Tensor:
     log_amin = torch.maximum(torch.log2(amin), log_amax - 32)
     # multiplied by the float32 reciprocal, not divided: the same bits on CPU and CUDA (CUDA's division by a
     # Python number multiplies by its reciprocal) and in the NVLink kernel
-    step = (log_amax - log_amin) * torch.tensor(1.0 / _LOGFMT_CODES, dtype=torch.float32, device=x.device)
+    step = (log_amax - log_amin) * torch.tensor(1.0 / _LOGFMT_CODES, dtype=torch.float32, device="cpu")
     safe_step = torch.where(step > 0, step, torch.ones_like(step))
     position = (torch.log2(mag) - log_amin) / safe_step
     low_code = torch.floor(position).clamp(min=-1, max=_LOGFMT_CODES)

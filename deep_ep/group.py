@@ -164,7 +164,7 @@ class Group:
             self.comm.Barrier()
             return
         if ranks is not None:
-            self.all_gather(torch.zeros(1, device=self._collective_device()), what, ranks)
+            self.all_gather(torch.zeros(1, dtype=torch.int32, device=self._collective_device()), what, ranks)
             return
         # (a rank that skipped exchanges while others masked it, e.g. their clean, catches up here)
         tags = torch.tensor([self._tag], dtype=torch.int64, device=self._collective_device())

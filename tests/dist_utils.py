@@ -81,7 +81,8 @@ def run_under_defaults(ctx: RankContext, fn: Callable[..., Any], *args: Any) -> 
         return under_defaults(value)
 
     methods = {name: wrapped(value) for name, value in vars(deep_ep.Buffer).items()
-               if callable(value) and (not name.startswith("_") or name == "__init__")}
+               if (callable(value) or isinstance(value, (staticmethod, classmethod)))
+               and (not name.startswith("_") or name == "__init__")}
     patched = type("BufferUnderDefaults", (deep_ep.Buffer,), methods)
     original = deep_ep.Buffer
     deep_ep.Buffer = patched
