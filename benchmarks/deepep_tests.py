@@ -99,10 +99,7 @@ def _run_on_cpu(local_rank: int, num_local_ranks: int, args: argparse.Namespace,
         def init_with_nodes(self, *init_args, **init_kwargs):
             buffer_init(self, *init_args, **dict(init_kwargs, num_ranks_per_node=num_local_ranks))
         deep_ep.Buffer.__init__ = init_with_nodes
-    module = importlib.import_module(script)
-    for name, replacement in (("init_dist", _init_dist), ("bench", _bench), ("bench_kineto", _bench_kineto)):
-        if hasattr(module, name):
-            setattr(module, name, replacement)
+    module = importlib.import_module(script)   # (its `from utils import ...` binds the replacements above)
     dist.all_gather_into_tensor = _gather_into
     with _CudaOnCpu():
         module.test_loop(local_rank, num_local_ranks, args)
