@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import warnings
 from typing import Any, Callable, List, Optional, Tuple, Union
 
@@ -108,12 +109,14 @@ class Buffer:
         # one collective: every rank's arguments (construction is collective: ranks that differ get a ValueError
         # naming the argument, not a failure at the first call on some ranks and a timeout on the others) and
         # host (the node layout, if not given)
-        hosts = [row[0] for row in self._group.agree_on(dict(
+        gathered = self._group.agree_on(dict(
             num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, low_latency_mode=bool(low_latency_mode),
             enable_shrink=bool(enable_shrink),
             allow_nvlink_for_low_latency_mode=bool(allow_nvlink_for_low_latency_mode),
             num_ranks_per_node=-1 if num_ranks_per_node is None else num_ranks_per_node,
-            transport=TRANSPORTS.index(requested_transport)), "Buffer construction", [host_id()], _shown_argument)]
+            transport=TRANSPORTS.index(requested_transport)), "Buffer construction", [host_id(), secrets.randbits(62)],
+            _shown_argument)
+        hosts = [row[0] for row in gathered]
         if num_ranks_per_node is None:
             num_ranks_per_node = self._group.ranks_per_node_of(hosts)
         self.topology = Topology(self.rank, self.group_size, num_ranks_per_node)
@@ -130,6 +133,8 @@ class Buffer:
         self.allow_nvlink_for_low_latency_mode, self.allow_mnnvl, self.use_fabric = (
             allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric)
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device) if enable_shrink else None
+        if enable_shrink:   # (rank 0's random number names this Buffer's roll calls)
+            self._group.open_roll_call(f"deep_ep/shrink/{gathered[0][1]:x}")
         self._comm_stream = CommStream(self.device)
         self._default_configs: dict = {}   # _default_config
         self._slots = LowLatencySlots()
@@ -180,7 +185,9 @@ class Buffer:
         broken = self._group.broken
         try:
             self._transport.destroy(wait_for_gpu=not broken)
-            if not broken:
+            if not broken and self._group.roll_call is not None:
+                self._group.gather_at_destroy(self._mask)
+            elif not broken:
                 self._group.barrier("destroy", unmasked_ranks(self._mask, self.rank))
         finally:   # (released even if the barrier times out)
             self._nvl_buffer = self._rdma_buffer = None
@@ -461,6 +468,8 @@ class Buffer:
         self._receive_streams = [None, None]   # (the clean waits for the GPU: nothing earlier is left to order)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # nothing of this rank in flight once the barrier passes
+        if self._mask is not None:   # (ranks that do not come are masked; with nothing masked, every rank comes)
+            self._group.mask_absent("clean_low_latency_buffer", self._mask, realign=not bool(self._mask.any()))
         ranks = unmasked_ranks(self._mask, self.rank)   # (ranks masked as failed may no longer call)
         self._group.barrier("clean_low_latency_buffer", ranks)
         self._transport.clean_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)

@@ -6,11 +6,14 @@ import hashlib
 import math
 import socket
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from .roll_call import AbsentError, RollCall, default_store
 
 
 class CommTimeoutError(RuntimeError):
@@ -67,6 +70,7 @@ class Group:
             self.cuda_native, self.cpu_native = False, True
         self._broken: Optional[str] = None
         self._tag = 0   # of the last point-to-point exchange
+        self.roll_call: Optional[RollCall] = None   # shrink mode (open_roll_call)
 
     # ---- object collectives (construction time) -----------------------------------------------------
     def all_gather_object(self, obj: Any) -> List[Any]:
@@ -109,6 +113,42 @@ class Group:
             if any(value != column[0] for value in column):
                 raise ValueError(f"{name} must be the same on every rank of the group, got {column} (by rank)")
         return [row[len(values):] for row in everyone]
+
+    # ---- shrink mode: roll calls through the rendezvous store (roll_call.py) -------------------------------
+    def open_roll_call(self, namespace: str) -> None:
+        """Let low-latency steps mask ranks that do not arrive (`namespace`: the same on every rank, unique to the
+        Buffer). Without a rendezvous store (an mpi4py communicator) a wait on a gone rank raises instead."""
+        store = default_store() if self.group is not None else None
+        if store is not None:
+            self.roll_call = RollCall(store, namespace, self.rank, self.timeout_s)
+
+    def mask_absent(self, what: str, mask: torch.Tensor, realign: bool = False) -> None:
+        """Shrink mode, before the exchange of a low-latency step (`what`): wait for the ranks `mask` leaves open;
+        those that do not arrive within the timeout are marked in `mask`, the same way on every rank that
+        arrives, with a warning. `realign`: a step every rank takes (a clean with nothing masked), after which a
+        rank that sat steps out while masked is in step again."""
+        if self.roll_call is None:
+            return
+        self._check_not_broken()
+        peers = [r for r, masked in enumerate(mask.tolist()) if not masked and r != self.rank]
+        try:
+            absent = self.roll_call.realign(peers) if realign else self.roll_call.step(peers)
+        except AbsentError as error:
+            self._broken = what
+            raise CommTimeoutError(f"rank {self.rank}: {what}: {error}; this Buffer cannot be used any more") from None
+        for peer in absent:
+            mask[peer] = 1
+            warnings.warn(f"deep_ep: rank {self.rank} masked rank {peer}, which did not reach {what} within "
+                          f"{self.timeout_s:g} s (enable_shrink)", RuntimeWarning, stacklevel=3)
+
+    def gather_at_destroy(self, mask: torch.Tensor) -> None:
+        """Shrink mode's destroy: wait up to the timeout for the ranks `mask` leaves open to reach it too; one
+        that does not is only reported (a rank the others masked may wait here for ranks that no longer call)."""
+        peers = [r for r, masked in enumerate(mask.tolist()) if not masked and r != self.rank]
+        missing = self.roll_call.gather("destroy", peers)
+        if missing:
+            warnings.warn(f"deep_ep: rank {self.rank} destroyed its Buffer without ranks {missing}, which did not "
+                          f"reach destroy within {self.timeout_s:g} s (enable_shrink)", RuntimeWarning, stacklevel=3)
 
     # ---- tensor collectives ---------------------------------------------------------------------------
     # `ranks`: only these ranks take part (low-latency calls skip the ranks a shrink mask marks failed, which

@@ -23,10 +23,10 @@ MODES = [LowLatencyOptions(use_fp8=False, round_scale=False, use_ue8m0=False),
          LowLatencyOptions(use_fp8=True, round_scale=True, use_ue8m0=True)]
 
 
-def make_ranks(R: int, N: int, H: int, E: int) -> List[NVLinkLowLatency]:
+def make_ranks(R: int, N: int, H: int, E: int, timeout_ns: int = 10 ** 10) -> List[NVLinkLowLatency]:
     areas = [torch.zeros(low_latency_size_hint(N, H, R, E), dtype=torch.uint8) for _ in range(R)]
     peers = SimpleNamespace(bases=torch.tensor([a.data_ptr() for a in areas], dtype=torch.int64), close=lambda: None)
-    return [NVLinkLowLatency(Topology(r, R, R), areas[r], peers, torch.zeros(4, dtype=torch.int32), 10 ** 10, 1)
+    return [NVLinkLowLatency(Topology(r, R, R), areas[r], peers, torch.zeros(4 + R, dtype=torch.int32), timeout_ns, 1)
             for r in range(R)]
 
 
@@ -49,19 +49,25 @@ def check(errors: List[str], what: str, got: torch.Tensor, expected: torch.Tenso
 
 
 def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent: bool = False,
-        seed: int = 0) -> List[str]:
+        automatic: bool = False, seed: int = 0) -> List[str]:
     """`rounds` dispatch + combine rounds. Rank `masked` (if >= 0) is cut off in the last round: the others
-    mask it, it masks everyone (as after a failure); with `absent` it makes no call at all in any round."""
+    mask it, it masks everyone (as after a failure); with `absent` it makes no call at all in any round. With
+    `automatic` (and `absent`) nobody masks it: the others' shrink masks start empty, and their kernels mask it
+    when their waits for it time out (after 0.2 s)."""
     errors: List[str] = []
-    gen = generator(seed, "interpreted low-latency", R, K, absent)
-    ranks = make_ranks(R, N, H, E)
+    gen = generator(seed, "interpreted low-latency", R, K, absent, automatic)
+    ranks = make_ranks(R, N, H, E, timeout_ns=200_000_000 if automatic else 10 ** 10)
     e_loc = E // R
+    shrink = [torch.zeros(R, dtype=torch.int32) for _ in range(R)]   # (automatic: every rank's shrink mask)
     for i in range(rounds):
         options = MODES[i % len(MODES)]
         sources = make_sources(gen, R, N, H, K, E)
         cut = masked >= 0 and (absent or i == rounds - 1)
         masks = [[int(g == masked or r == masked) for g in range(R)] for r in range(R)] if cut else None
-        mask_tensors = [torch.tensor(m, dtype=torch.int32) for m in masks] if cut else [None] * R
+        if automatic:
+            mask_tensors = shrink
+        else:
+            mask_tensors = [torch.tensor(m, dtype=torch.int32) for m in masks] if cut else [None] * R
         calling = [r for r in range(R) if not (absent and r == masked)]
         hook = i % 2 == 0   # with a hook the combine sends every row; without, the own rows stay in x
         steps, outs = [], {}
@@ -102,6 +108,13 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent
             src = sources[s]
             expected = M.combine(s, src.topk_idx, src.topk_weights, rows[s], expert_outputs, e_loc, masks)
             check(errors, f"R={R} K={K} round {i} rank {s} combine (hook={hook})", combined[s], expected)
+    if automatic:
+        gone = torch.tensor([int(g == masked) for g in range(R)], dtype=torch.int32)
+        for r in calling:
+            check(errors, f"R={R} rank {r}: shrink mask after the timeouts", shrink[r], gone)
+            # (the first wait that gave up on it: the dispatch's receive)
+            check(errors, f"R={R} rank {r}: status names the masked rank", ranks[r].status[4:],
+                  gone * 4)
     return errors
 
 
@@ -110,7 +123,8 @@ if __name__ == "__main__":
     seed = base_seed()   # (the test passes its own as DEEP_EP_TEST_SEED)
     for R, K, masked in ((2, 3, -1), (3, 4, 2), (4, 8, 1)):
         failures += run(R, N=8, H=256, K=K, E=4 * R, rounds=4 if R == 2 else 3, masked=masked, seed=seed)
-    # a rank that never calls
+    # a rank that never calls: masked by hand, and masked by the others' timeouts
     failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True, seed=seed)
+    failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True, automatic=True, seed=seed)
     print("ok" if not failures else "\n".join(failures[:20]), flush=True)
     sys.exit(1 if failures else 0)

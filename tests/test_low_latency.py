@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import warnings
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -776,6 +777,88 @@ def run_shrink_absent(chk: Checker, ctx, seed: int) -> None:
     buf.destroy()
 
 
+def run_shrink_automatic(ctx, seed: int, timeout_s: float) -> List[str]:
+    """enable_shrink with ranks that stop calling and are masked by the others' timeouts, as DeepEP's
+    --shrink-test does: after a round with everyone, rank 1 stops at its next dispatch, rank 3 at the combine
+    after it, rank 4 at the clean after that. The others mask each one when their wait for it gives up, all in
+    the same way, and carry on with correct results among themselves; each gone rank destroys its Buffer."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        return _shrink_automatic(ctx, seed, timeout_s, caught)
+
+
+def _shrink_automatic(ctx, seed: int, timeout_s: float, caught: List[warnings.WarningMessage]) -> List[str]:
+    chk = Checker(seed, ctx.rank)
+    num_ranks, rank = ctx.world_size, ctx.rank
+    e_loc, n, hidden = 2, 8, 256
+    num_experts = e_loc * num_ranks
+    buf = make_buffer(ctx, n, hidden, num_experts, enable_shrink=True, explicitly_destroy=True, timeout_s=timeout_s)
+    case = dict(name="shrink-automatic", tokens=[n - s for s in range(num_ranks)], hidden=hidden, topk=3,
+                experts_per_rank=e_loc, mask_frac=0.1)
+    srcs = make_sources(seed, case, num_ranks)
+
+    def masks_of(gone: List[int]) -> M.Masks:
+        return [[int(g in gone) for g in range(num_ranks)] for _ in range(num_ranks)]
+
+    def query(gone: List[int], what: str) -> None:
+        status = torch.full((num_ranks,), -7, dtype=torch.int32, device=ctx.device)
+        buf.low_latency_query_mask_buffer(status)
+        chk.equal(f"mask after {what}", status.cpu(), torch.tensor([int(g in gone) for g in range(num_ranks)],
+                                                                   dtype=torch.int32))
+
+    def dispatch(tag: str, i: int, masks: M.Masks):
+        regions = [M.dispatch_region(srcs, g, num_experts, masks) for g in range(num_ranks)]
+        opts = round_options(i)
+        chk.at(f"automatic shrink, {tag}, dispatch opts={opts}")
+        out = ll_dispatch(buf, ctx, srcs[rank], n, num_experts, opts)
+        finish_dispatch(chk, out, opts)
+        handle = check_dispatch(chk, out, regions[rank], srcs, opts, n, hidden, num_experts)
+        return regions, out[2] if handle is None else handle
+
+    def combine(tag: str, i: int, regions, handle, masks: M.Masks) -> None:
+        chk.at(f"automatic shrink, {tag}, combine")
+        mode = ("sync", "hook", "async")[i % 3]
+        ys = expert_outputs(seed, ("automatic", tag), regions, n, hidden, False)
+        src = srcs[rank]
+        combined, event, hook = buf.low_latency_combine(ys[rank].to(ctx.device), src.topk_idx.to(ctx.device),
+                                                        src.topk_weights.to(ctx.device), handle,
+                                                        async_finish=mode == "async", return_recv_hook=mode == "hook")
+        if hook is not None:
+            hook()
+        if mode == "async":
+            event.current_stream_wait()
+        rows = M.selection_rows(srcs, regions)
+        chk.equal("combined_x", combined, M.combine(rank, src.topk_idx, src.topk_weights, rows[rank], ys, e_loc, masks))
+
+    regions, handle = dispatch("everyone", 0, None)
+    combine("everyone", 0, regions, handle, None)
+    if rank == 1:                                   # gone at its next dispatch
+        buf.destroy()
+        return chk.errors
+    regions, handle = dispatch("without rank 1", 1, masks_of([1]))
+    query([1], "the dispatch rank 1 missed")
+    if rank == 3:                                   # gone at its next combine
+        buf.destroy()
+        return chk.errors
+    combine("without ranks 1 and 3", 2, regions, handle, masks_of([1, 3]))
+    query([1, 3], "the combine rank 3 missed")
+    if rank == 4:                                   # gone at its next clean
+        buf.destroy()
+        return chk.errors
+    buf.clean_low_latency_buffer(n, hidden, num_experts)
+    query([1, 3, 4], "the clean rank 4 missed")
+    gone = [1, 3, 4]
+    for i in (3, 4, 5):
+        regions, handle = dispatch(f"without {gone}", i, masks_of(gone))
+        combine(f"without {gone}", i, regions, handle, masks_of(gone))
+    query(gone, "rounds without them")
+    buf.destroy()
+    said = " | ".join(str(w.message) for w in caught)
+    chk.at("automatic shrink, warnings").true("a warning names every rank masked after a timeout",
+                                              all(f"masked rank {g}" in said for g in gone), said)
+    return chk.errors
+
+
 # ---------------------------------------------------------------------------------------------------
 # the cases of each world size
 # ---------------------------------------------------------------------------------------------------
@@ -904,6 +987,15 @@ def test_low_latency(pool, world_size):
     print(f"test_low_latency world_size={world_size} seed={seed} (replay: DEEP_EP_TEST_SEED={seed})")
     names = [s for s in os.environ.get("DEEP_EP_LL_STEPS", "").split(",") if s]
     results = pool(world_size).run(run_all, seed, names)
+    errors = [e for per_rank in results for e in per_rank]
+    assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
+
+
+def test_low_latency_shrink_masks_ranks_that_stop_calling(pool):
+    seed = base_seed()
+    print(f"seed={seed} (replay: DEEP_EP_TEST_SEED={seed})")
+    timeout_s = float(os.environ.get("DEEP_EP_TEST_SHRINK_TIMEOUT_S", "5"))
+    results = pool(5).run(run_shrink_automatic, seed, timeout_s)
     errors = [e for per_rank in results for e in per_rank]
     assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
 

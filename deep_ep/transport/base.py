@@ -94,7 +94,9 @@ class Transport(ABC):
                              ) -> Tuple[LowLatencyDispatchOutput, Callable[[], None]]:
         """Send every selection to its expert's rank; returns the outputs and the receive step. `half`: the
         buffer half of this call (calls alternate between the two). `hook`: the receive step runs later, as
-        a receive hook; otherwise right after this returns (a transport may then receive here already)."""
+        a receive hook; otherwise right after this returns (a transport may then receive here already).
+        `mask`: the Buffer's shrink mask (None without shrink mode). The call uses it as it is now, and marks
+        in it every rank that a wait of this call gave up on (the rank is skipped from there on)."""
 
     @abstractmethod
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -472,6 +472,8 @@ class ReferenceTransport(Transport):
     # ---- low-latency --------------------------------------------------------------------------------------
     def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half,
                              hook):
+        if mask is not None:   # shrink mode: ranks that do not come within the timeout are masked
+            self.group.mask_absent("low_latency_dispatch", mask)
         mask = None if mask is None else mask.clone()  # the mask as of this call, also for its receive hook
         topo = self.topology
         ranks = unmasked_ranks(mask, topo.rank)   # (masked ranks take no part: they may no longer call)
@@ -552,6 +554,8 @@ class ReferenceTransport(Transport):
 
     def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt,
                             mask, out, wait_stats, half, hook):
+        if mask is not None:
+            self.group.mask_absent("low_latency_combine", mask)
         mask = None if mask is None else mask.clone()  # the mask as of this call, also for its receive hook
         topo = self.topology
         ranks = unmasked_ranks(mask, topo.rank)

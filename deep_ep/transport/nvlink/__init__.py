@@ -25,6 +25,7 @@ Set DEEP_EP_NVLINK_DIRECT=0 (on every rank) to always use the rings.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 import zlib
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
@@ -131,7 +132,8 @@ class NVLinkTransport(Transport):
         torch.cuda.synchronize(device)
         self.peers = PeerBuffers(memory, group)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
-        self.status = torch.zeros(4, dtype=torch.int32, device="cpu").pin_memory()
+        # [timeout code, its peer, bad expert id seen, the id | per rank: why shrink mode masked it (0: it was not)]
+        self.status = torch.zeros(4 + R, dtype=torch.int32, device="cpu").pin_memory()
         self._status_words = self.status.numpy()   # the same pinned memory, read without torch overhead
         self.layout_bad = torch.zeros(2, dtype=torch.int64, device=device)
         # layout.py's DONE and SUMS, zeros between calls; SUMS is set up at the first call
@@ -519,11 +521,20 @@ class NVLinkTransport(Transport):
 
     # ---- low latency (low_latency.py) ----------------------------------------------------------------------
     def check_low_latency_errors(self) -> None:
-        """Report a timeout, or expert ids out of range seen by an earlier low-latency kernel."""
+        """Report a timeout, or expert ids out of range seen by an earlier low-latency kernel; warn about ranks
+        that shrink mode masked after a timeout since the last call."""
         if self.low_latency is None:
             return
         self._check_status()
         words = self._status_words
+        masked = words[4:].nonzero()[0]
+        if masked.size:
+            from .sync import STATUS_WHAT
+            for peer in masked.tolist():
+                what = STATUS_WHAT.get(int(words[4 + peer]), "a signal")
+                words[4 + peer] = 0
+                warnings.warn(f"deep_ep: rank {self.topology.rank} masked rank {peer} after waiting more than "
+                              f"{self.timeout_ns / 1e9:g} s for {what} (enable_shrink)", RuntimeWarning, stacklevel=3)
         if words[2]:
             value = int(words[3])
             words[2] = 0

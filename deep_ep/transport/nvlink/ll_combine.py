@@ -24,13 +24,16 @@ Receive (programs over (token, chunk of CHUNK channels) items): wait until ARRIV
   acc = f32(acc + f32(w[t, k] * row k)), row k being ROWS[t * K + k] (or the own row in x), the
   reference's rounding (compiled without fused multiply-adds). The last program to finish publishes
   RECEIVED + 1.
+Timeouts as in the dispatch (ll_dispatch.py); in shrink mode the selections of a rank masked by a timeout of
+  the receive contribute nothing.
 """
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .intrinsics import to_bf16
-from .sync import begin_send, claim_arrival, finish_receive, report_bad_ids, row_pointers, wait_for_senders
+from .sync import (begin_send, claim_arrival, finish_receive, masked_ranks, report_bad_ids, row_pointers,
+                   wait_for_senders)
 
 WAIT_LL_COMBINE = tl.constexpr(5)
 LOGFMT_CODES = tl.constexpr(510)
@@ -72,8 +75,8 @@ def _logfmt_roundtrip(values, H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.c
 
 
 @triton.jit
-def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank, num_max_tokens,
-          x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
+def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank, experts_per_rank,
+          num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, LOGFMT: tl.constexpr,
           BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
           OWN_FROM_X: tl.constexpr):
@@ -88,7 +91,8 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, e
                      mask=(eo[:, None] < experts_per_rank) & (ro[None, :] < R), other=0)
     per_expert = tl.sum((ranges & 0xFFFFFFFF).to(tl.int32), axis=1)
     ends = tl.cumsum(per_expert, axis=0)          # rows of experts 0..e, all experts laid end to end
-    rank_open, free = begin_send(bases_ptr, mask_ptr, rank, received_offset, ro, timeout_ns, status_ptr, R, HAS_MASK)
+    rank_open, free = begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, ro, timeout_ns, status_ptr,
+                                 R, HAS_MASK)
     total = tl.where(free, tl.sum(per_expert), 0)
     for g0 in range(pid * ROWS, total, num_senders * ROWS):
         g = g0 + po
@@ -101,7 +105,7 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, e
         if OWN_FROM_X:   # this rank's own rows: its receive reads them from x
             live = live & (source != rank)
         if HAS_MASK:
-            live = live & (tl.load(mask_ptr + source, mask=live, other=1) == 0)
+            live = live & (masked_ranks(mask_ptr, source, live) == 0)
         values = tl.load(x_ptr + (expert.to(tl.int64) * x_expert_stride + row.to(tl.int64) * x_row_stride)[:, None]
                          + ho[None, :], mask=live[:, None] & (ho[None, :] < H), other=0.0)
         if LOGFMT:
@@ -114,8 +118,8 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, e
 
 
 @triton.jit
-def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
-             status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
+def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
+             stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns,
              H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
              CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr):
@@ -123,7 +127,7 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
     pid = tl.program_id(0)
     ko = tl.arange(0, BLOCK_K)
     co = tl.arange(0, CHUNK)
-    received, ok = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, stats_ptr, num_senders, timeout_ns,
+    received, ok = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns,
                                     status_ptr, WAIT_LL_COMBINE, R, HAS_MASK, HAS_STATS, BLOCK_R)
     if ok:
         # contiguous items per program: a token's chunks mostly stay in one program (its ids and weights
@@ -138,8 +142,7 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
             report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
             valid = (ids >= 0) & (ids < num_experts)
             if HAS_MASK:
-                valid = valid & (tl.load(mask_ptr + tl.where(valid, ids // experts_per_rank, 0), mask=valid,
-                                         other=1) == 0)
+                valid = valid & (masked_ranks(mask_ptr, tl.where(valid, ids // experts_per_rank, 0), valid) == 0)
             acc = tl.zeros([CHUNK], tl.float32)
             for k in tl.static_range(K):   # no branch: the K loads can all be in flight at once
                 use = tl.sum((valid & (ko == k)).to(tl.int32)) > 0
@@ -163,34 +166,35 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
 
 # ---- kernels: send (returns at once), receive (the hook), and both in one launch when there is no hook -----
 @triton.jit
-def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank,
-                           num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset,
-                           received_offset, timeout_ns,
+def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank,
+                           experts_per_rank, num_max_tokens, x_expert_stride, x_row_stride, rows_offset,
+                           arrived_offset, received_offset, timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
                            LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
                            BLOCK_R: tl.constexpr, ROWS: tl.constexpr, OWN_FROM_X: tl.constexpr):
-    _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank, num_max_tokens,
-          x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns, H, K, R, HAS_MASK,
-          LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
+    _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank, experts_per_rank,
+          num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
+          H, K, R, HAS_MASK, LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
 
 
 @triton.jit
-def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr,
-                           stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride,
-                           x_row_stride, num_tokens, num_experts, experts_per_rank, num_senders, timeout_ns,
+def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr,
+                           shrink_ptr, out_ptr, stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens,
+                           x_expert_stride, x_row_stride, num_tokens, num_experts, experts_per_rank, num_senders,
+                           timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
                            HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr):
-    _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
-             status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
+    _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
+             stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, HAS_STATS, CHUNK, BLOCK_K,
              BLOCK_R, OWN_FROM_X)
 
 
 @triton.jit
-def ll_combine_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank,
-                      num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset,
-                      timeout_ns,
+def ll_combine_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank,
+                      experts_per_rank, num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset,
+                      received_offset, timeout_ns,
                       rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, out_ptr, stats_ptr,
                       num_tokens, num_experts, num_senders,
                       H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -198,10 +202,10 @@ def ll_combine_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_
                       ROWS: tl.constexpr, HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
                       OWN_FROM_X: tl.constexpr):
     """Send, then receive, in one launch of NUM_SENDERS programs (as ll_dispatch_kernel)."""
-    _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, experts_per_rank, num_max_tokens,
-          x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns, H, K, R, HAS_MASK,
-          LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
-    _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, out_ptr, stats_ptr,
-             status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
+    _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank, experts_per_rank,
+          num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
+          H, K, R, HAS_MASK, LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
+    _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
+             stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, HAS_STATS, CHUNK, BLOCK_K,
              BLOCK_R, OWN_FROM_X)

@@ -24,13 +24,15 @@ Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (R
   E_loc * R * N route entries); then layout_range, recv_count, and MASKS[e] cleared for the next use of the
   half. The last program to finish publishes RECEIVED + 1.
 A wait that exceeds the timeout records (code, peer) in the host-visible status and skips the copies (a
-timed-out receive leaves empty outputs; a timed-out sender claims no arrival).
+timed-out receive leaves empty outputs; a timed-out sender claims no arrival). In shrink mode the rank waited
+for is masked instead, and the call goes on without it (sync.py).
 """
 import triton
 import triton.language as tl
 
 from .intrinsics import popcount, to_e4m3
-from .sync import begin_send, claim_arrival, finish_receive, report_bad_ids, row_pointer, wait_for_senders
+from .sync import (begin_send, claim_arrival, finish_receive, masked_ranks, report_bad_ids, row_pointer,
+                   wait_for_senders)
 
 FP8_MAX = tl.constexpr(448.0)
 WAIT_LL_DISPATCH = tl.constexpr(4)
@@ -66,7 +68,7 @@ def _quantize(row, H: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, BL
 
 
 @triton.jit
-def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
+def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
           experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
           UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -77,7 +79,8 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens
     ro = tl.arange(0, BLOCK_R)
     ho = tl.arange(0, BLOCK_H)
     so = tl.arange(0, BLOCK_G)
-    rank_open, free = begin_send(bases_ptr, mask_ptr, rank, received_offset, ro, timeout_ns, status_ptr, R, HAS_MASK)
+    rank_open, free = begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, ro, timeout_ns, status_ptr,
+                                 R, HAS_MASK)
     for t in range(pid, tl.where(free, num_tokens, 0), num_senders):
         token = tl.cast(t, tl.int64)   # (a cast, not .to: the interpreter's loop counters are ints)
         ids = tl.load(idx_ptr + token * K + ko, mask=ko < K, other=-1)
@@ -85,7 +88,7 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens
         report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
         owner = tl.where(in_range, ids // experts_per_rank, 0)
         if HAS_MASK:
-            valid = in_range & (tl.load(mask_ptr + owner, mask=in_range, other=1) == 0)
+            valid = in_range & (masked_ranks(mask_ptr, owner, in_range) == 0)
         else:
             valid = in_range
         same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
@@ -121,7 +124,7 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens
 
 
 @triton.jit
-def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, stats_ptr, status_ptr,
+def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K: tl.constexpr, R: tl.constexpr, XW: tl.constexpr,
              SW: tl.constexpr, SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
@@ -129,7 +132,7 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
              ROWS: tl.constexpr):
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
-    received, ok = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, stats_ptr, num_senders, timeout_ns,
+    received, ok = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns,
                                     status_ptr, WAIT_LL_DISPATCH, R, HAS_MASK, HAS_STATS, BLOCK_R)
     if ok:
         RN = R * num_max_tokens
@@ -137,7 +140,7 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
         source_of = jo // num_max_tokens
         in_table = jo < RN
         if HAS_MASK:
-            in_table = in_table & (tl.load(mask_ptr + source_of, mask=in_table, other=1) == 0)
+            in_table = in_table & (masked_ranks(mask_ptr, source_of, in_table) == 0)
         po = tl.arange(0, ROWS)
         xo = tl.arange(0, BLOCK_X)
         so = tl.arange(0, BLOCK_S)
@@ -194,34 +197,34 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
 
 
 @triton.jit
-def ll_dispatch_send_kernel(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank,
+def ll_dispatch_send_kernel(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank,
                             num_experts, experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset,
                             received_offset, timeout_ns,
                             H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
                             ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
                             SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
-    _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
+    _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
           experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
           H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
 
 
 @triton.jit
-def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, stats_ptr,
-                            status_ptr, out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr,
-                            rank, experts_per_rank, num_max_tokens, num_senders, timeout_ns, K: tl.constexpr,
+def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr,
+                            stats_ptr, status_ptr, out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr,
+                            count_ptr, rank, experts_per_rank, num_max_tokens, num_senders, timeout_ns, K: tl.constexpr,
                             R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr,
                             HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_RN: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
                             ROWS: tl.constexpr):
-    _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, stats_ptr, status_ptr,
+    _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, HAS_STATS, BLOCK_RN, BLOCK_R,
              BLOCK_X, BLOCK_S, ROWS)
 
 
 @triton.jit
-def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
+def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
                        experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset,
                        received_offset, timeout_ns,
                        masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, stats_ptr,
@@ -235,10 +238,10 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, status_ptr, num_toke
     """Send, then receive, in one launch of NUM_SENDERS programs (every program sends, then waits for every
     source and copies its share of the local experts). The grid fits on the GPU at once, so a program that
     waits never keeps one that has yet to send from starting."""
-    _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, status_ptr, num_tokens, rank, num_experts,
+    _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
           experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
           H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
-    _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, stats_ptr, status_ptr,
+    _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, HAS_STATS, BLOCK_RN, BLOCK_R,
              BLOCK_X, BLOCK_S, ROWS)

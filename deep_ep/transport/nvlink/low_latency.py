@@ -64,10 +64,10 @@ _DISPATCH_OUTPUTS = ("mask_ptr", "stats_ptr", "out_x_ptr", "out_scales_ptr", "sr
 _COMBINE_INPUTS = ("x_ptr", "layout_ptr", "route_ptr", "mask_ptr")
 _COMBINE_OUTPUTS = ("mask_ptr", "idx_ptr", "weights_ptr", "out_ptr", "num_tokens", "stats_ptr")
 # arguments the receive kernels take from the send kernels' argument sets
-_DISPATCH_SHARED = ("status_ptr", "rank", "experts_per_rank", "num_max_tokens", "timeout_ns", "K", "R",
+_DISPATCH_SHARED = ("shrink_ptr", "status_ptr", "rank", "experts_per_rank", "num_max_tokens", "timeout_ns", "K", "R",
                     "XW", "SW", "SLOT_W", "HAS_MASK", "BLOCK_R")
-_COMBINE_SHARED = ("status_ptr", "experts_per_rank", "timeout_ns", "H", "K", "R", "HAS_MASK", "BLOCK_R",
-                   "num_max_tokens", "x_expert_stride", "x_row_stride", "OWN_FROM_X")
+_COMBINE_SHARED = ("shrink_ptr", "status_ptr", "experts_per_rank", "timeout_ns", "H", "K", "R", "HAS_MASK",
+                   "BLOCK_R", "num_max_tokens", "x_expert_stride", "x_row_stride", "OWN_FROM_X")
 
 
 def _next_pow2(value: int) -> int:
@@ -156,9 +156,11 @@ class NVLinkLowLatency:
 
     # ---- dispatch ---------------------------------------------------------------------------------------------
     def _dispatch_plan(self, num_max_tokens: int, hidden: int, num_experts: int, topk: int,
-                       options: LowLatencyOptions, has_mask: bool, has_stats: bool, half: int) -> dict:
+                       options: LowLatencyOptions, shrink: Optional[torch.Tensor], has_stats: bool, half: int) -> dict:
         """What a dispatch of this shape needs besides its tensors: launch arguments and output shapes (built
-        once per shape: most of an eager call's host time went into recomputing them)."""
+        once per shape: most of an eager call's host time went into recomputing them). `shrink`: the Buffer's
+        shrink mask (None without shrink mode)."""
+        has_mask = shrink is not None
         R, rank = self.topology.num_ranks, self.topology.rank
         experts_per_rank = num_experts // R
         slots = R * num_max_tokens
@@ -173,7 +175,8 @@ class NVLinkLowLatency:
         geometry = self._geometry(num_max_tokens, hidden, num_experts, half,
                                   R * num_max_tokens * slot_words * 4, "low_latency_dispatch")
         send = dict(
-            bases_ptr=self.peers.bases, status_ptr=self.status, rank=rank, num_experts=num_experts,
+            bases_ptr=self.peers.bases, shrink_ptr=self._no_words if shrink is None else shrink,
+            status_ptr=self.status, rank=rank, num_experts=num_experts,
             experts_per_rank=experts_per_rank, num_max_tokens=num_max_tokens, masks_offset=geometry.masks,
             slots_offset=geometry.data, arrived_offset=geometry.arrived, received_offset=geometry.received,
             timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R, FP8=options.use_fp8, ROUND=options.round_scale,
@@ -210,11 +213,11 @@ class NVLinkLowLatency:
         num_tokens, hidden = x.shape
         topk = topk_idx.shape[1]
         key = ("dispatch", num_max_tokens, hidden, num_experts, topk, options.use_fp8, options.round_scale,
-               options.use_ue8m0, mask is not None, wait_stats is not None, half)
+               options.use_ue8m0, None if mask is None else mask.data_ptr(), wait_stats is not None, half)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._dispatch_plan(num_max_tokens, hidden, num_experts, topk, options,
-                                                          mask is not None, wait_stats is not None, half)
+                                                          mask, wait_stats is not None, half)
         if options.use_fp8:
             recv_x = torch.empty(plan["x_shape"], dtype=torch.float8_e4m3fn, device=dev)
             recv_scales = torch.empty(plan["scale_shape"], dtype=torch.int32 if options.use_ue8m0 else torch.float32,
@@ -226,7 +229,8 @@ class NVLinkLowLatency:
         src_info = torch.empty(plan["table_shape"], dtype=torch.int32, device=dev)
         layout_range = torch.empty(plan["range_shape"], dtype=torch.int64, device=dev)
         route = torch.empty(plan["route_size"], dtype=torch.int32, device=dev)   # [route | OWN] (ll_dispatch.py)
-        mask = self._no_words if mask is None else mask.clone()   # the mask as of this call, also for its receive
+        # the mask as of this call, also for its receive (the kernels mark ranks they give up on in it and in `mask`)
+        mask = self._no_words if mask is None else mask.clone()
         outputs = (mask, self._no_longs if wait_stats is None else wait_stats, Pointer(recv_x, torch.int32),
                    self._no_words if recv_scales is None else Pointer(recv_scales, torch.int32), src_info, route,
                    layout_range, recv_count)   # (_DISPATCH_OUTPUTS)
@@ -271,13 +275,12 @@ class NVLinkLowLatency:
         # without a hook the receive runs right after the send, so it can read this rank's own rows from x (with a
         # hook the caller may change x before calling it; LogFMT rounds rows in the send)
         own_from_x = OWN_FROM_X and not hook and not use_logfmt
-        key = ("combine", num_max_tokens, hidden, experts_per_rank, topk, use_logfmt, mask is not None,
-               wait_stats is not None, half, strides, own_from_x)
+        key = ("combine", num_max_tokens, hidden, experts_per_rank, topk, use_logfmt,
+               None if mask is None else mask.data_ptr(), wait_stats is not None, half, strides, own_from_x)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._combine_plan(num_max_tokens, hidden, experts_per_rank, topk, use_logfmt,
-                                                         mask is not None, wait_stats is not None, half, strides,
-                                                         own_from_x)
+                                                         mask, wait_stats is not None, half, strides, own_from_x)
         mask = self._no_words if mask is None else mask.clone()
         per_call = (mask, topk_idx, topk_weights, out, num_tokens,
                     self._no_longs if wait_stats is None else wait_stats)   # (_COMBINE_OUTPUTS)
@@ -296,15 +299,18 @@ class NVLinkLowLatency:
         return receive_step
 
     def _combine_plan(self, num_max_tokens: int, hidden: int, experts_per_rank: int, topk: int, use_logfmt: bool,
-                      has_mask: bool, has_stats: bool, half: int, strides: Tuple[int, ...], own_from_x: bool) -> dict:
+                      shrink: Optional[torch.Tensor], has_stats: bool, half: int, strides: Tuple[int, ...],
+                      own_from_x: bool) -> dict:
         """A combine's launch arguments besides its tensors, built once per shape (as _dispatch_plan)."""
+        has_mask = shrink is not None
         R, rank = self.topology.num_ranks, self.topology.rank
         num_experts = experts_per_rank * R
         geometry = self._geometry(num_max_tokens, hidden, num_experts, half, num_max_tokens * topk * hidden * 2,
                                   "low_latency_combine")
         block_h = max(_next_pow2(hidden), 1024) if use_logfmt else _next_pow2(hidden)
         send = dict(
-            bases_ptr=self.peers.bases, status_ptr=self.status, rank=rank, experts_per_rank=experts_per_rank,
+            bases_ptr=self.peers.bases, shrink_ptr=self._no_words if shrink is None else shrink,
+            status_ptr=self.status, rank=rank, experts_per_rank=experts_per_rank,
             num_max_tokens=num_max_tokens, x_expert_stride=strides[0], x_row_stride=strides[1],
             rows_offset=geometry.data, arrived_offset=geometry.arrived, received_offset=geometry.received,
             timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R, HAS_MASK=has_mask, LOGFMT=use_logfmt, BLOCK_H=block_h,
