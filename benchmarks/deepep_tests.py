@@ -17,6 +17,10 @@ that ends without an error has passed them. As in DeepEP, WORLD_SIZE and RANK (e
 number of nodes and this node's index, so two runs with WORLD_SIZE=2 and RANK=0 / 1 (same MASTER_PORT)
 are two nodes of `--num-processes` ranks each (`test_internode` wants 8 a node); on one host the Buffers
 then get `num_ranks_per_node` so that each run's ranks form a node.
+
+With `--share-gpus` the ranks run as processes that share the GPUs (rank i on GPU i mod count) in a gloo
+group, with the script's CUDA tensors, so more ranks than GPUs run (NCCL takes one rank a GPU); only
+`init_dist` and `dist.all_gather_into_tensor` (through host memory) are replaced.
 """
 import argparse
 import functools
@@ -46,14 +50,19 @@ class _CudaOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _init_dist(local_rank: int, num_local_ranks: int):
-    """DeepEP's init_dist on gloo: WORLD_SIZE nodes of `num_local_ranks` ranks, this one node RANK."""
+def _init_dist(local_rank: int, num_local_ranks: int, on_gpus: bool = False):
+    """DeepEP's init_dist on gloo: WORLD_SIZE nodes of `num_local_ranks` ranks, this one node RANK; `on_gpus`:
+    on GPU local_rank mod count, CUDA the default device (as DeepEP's)."""
     address, port = os.getenv("MASTER_ADDR", "127.0.0.1"), int(os.getenv("MASTER_PORT", "8361"))
     num_nodes, node = int(os.getenv("WORLD_SIZE", "1")), int(os.getenv("RANK", "0"))
     dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", world_size=num_nodes * num_local_ranks,
                             rank=node * num_local_ranks + local_rank)
     torch.set_default_dtype(torch.bfloat16)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local_ranks))
+    if on_gpus:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.set_default_device("cuda")
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local_ranks))
     return dist.get_rank(), dist.get_world_size(), dist.new_group(list(range(num_nodes * num_local_ranks)))
 
 
@@ -85,13 +94,21 @@ def _bench_kineto(fn, kernel_names, num_tests: int = 30, suppress_kineto_output:
 
 
 def _gather_into(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    return dist.all_gather(list(output.view(-1, *input.shape).unbind(0)), input, group=group, async_op=async_op)
+    """all_gather_into_tensor through a list, in host memory (gloo)."""
+    if not output.is_cuda:
+        return dist.all_gather(list(output.view(-1, *input.shape).unbind(0)), input, group=group, async_op=async_op)
+    staged = output.cpu()
+    dist.all_gather(list(staged.view(-1, *input.shape).unbind(0)), input.cpu(), group=group)
+    output.copy_(staged)
 
 
-def _run_on_cpu(local_rank: int, num_local_ranks: int, args: argparse.Namespace, tests_dir: str, script: str) -> None:
+def _run_with_gloo(local_rank: int, num_local_ranks: int, args: argparse.Namespace, tests_dir: str, script: str,
+                   on_gpus: bool) -> None:
     sys.path[:0] = [tests_dir, REPO]
     import utils
-    utils.init_dist, utils.bench, utils.bench_kineto = _init_dist, _bench, _bench_kineto
+    utils.init_dist = functools.partial(_init_dist, on_gpus=on_gpus)
+    if not on_gpus:
+        utils.bench, utils.bench_kineto = _bench, _bench_kineto
     import deep_ep
     if int(os.getenv("WORLD_SIZE", "1")) > 1:   # every host is this one: nodes of num_local_ranks ranks, as DeepEP's
         buffer_init = deep_ep.Buffer.__init__
@@ -101,6 +118,9 @@ def _run_on_cpu(local_rank: int, num_local_ranks: int, args: argparse.Namespace,
         deep_ep.Buffer.__init__ = init_with_nodes
     module = importlib.import_module(script)   # (its `from utils import ...` binds the replacements above)
     dist.all_gather_into_tensor = _gather_into
+    if on_gpus:
+        module.test_loop(local_rank, num_local_ranks, args)
+        return
     with _CudaOnCpu():
         module.test_loop(local_rank, num_local_ranks, args)
 
@@ -121,22 +141,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run on CPU tensors over gloo even with GPUs")
+    parser.add_argument("--share-gpus", action="store_true",
+                        help="on GPUs, ranks as processes sharing them (rank i on GPU i mod count), gloo group")
     parser.add_argument("tests_dir", help="DeepEP's tests folder (V1 line: test_*.py and utils.py)")
     parser.add_argument("script", choices=["test_intranode", "test_internode", "test_low_latency"])
     ours, rest = parser.parse_known_args()
     tests_dir = os.path.abspath(ours.tests_dir)
-    if not ours.cpu and torch.cuda.is_available():
+    on_gpus = not ours.cpu and torch.cuda.is_available()
+    if on_gpus and not ours.share_gpus:
         paths = [REPO, tests_dir] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
         return subprocess.call([sys.executable, os.path.join(tests_dir, ours.script + ".py"), *rest], env=env)
     args = _script_arguments(tests_dir, ours.script, rest)
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""   # (the ranks' Buffers would otherwise pick a GPU)
+    if not on_gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""   # (the ranks' Buffers would otherwise pick a GPU)
     if int(os.getenv("WORLD_SIZE", "1")) == 1:   # (several nodes share MASTER_PORT, DeepEP's default 8361)
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    torch.multiprocessing.spawn(_run_on_cpu, args=(args.num_processes, args, tests_dir, ours.script),
+    torch.multiprocessing.spawn(_run_with_gloo, args=(args.num_processes, args, tests_dir, ours.script, on_gpus),
                                 nprocs=args.num_processes)
-    print(f"{ours.script}: every check passed on CPU ({args.num_processes} ranks, node {os.getenv('RANK', '0')} of "
-          f"{os.getenv('WORLD_SIZE', '1')}, gloo)")
+    where = f"{torch.cuda.device_count()} GPUs" if on_gpus else "CPU"
+    print(f"{ours.script}: every check passed on {where} ({args.num_processes} ranks, node {os.getenv('RANK', '0')} "
+          f"of {os.getenv('WORLD_SIZE', '1')}, gloo)")
     return 0
 
 

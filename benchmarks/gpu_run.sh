@@ -12,8 +12,9 @@
 #   DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0, part of ll on 2 GPUs; ll-other: the rest; on one GPU they run one
 #   after the other, so there a call of at most 10 minutes takes one of them);
 #   other: the rest of the suite
-#   deepep: DeepEP's own V1 test scripts against this package (benchmarks/deepep_tests.py; 2 GPUs and a copy of
-#           DeepEP's V1 tests folder in _deepep_tests/), after the benchmark and before the tests
+#   deepep: DeepEP's own V1 test scripts against this package (benchmarks/deepep_tests.py; a copy of DeepEP's V1
+#           tests folder in _deepep_tests/), after the benchmark and before the tests: test_intranode and
+#           test_low_latency at 2 ranks (2 GPUs), test_low_latency --shrink-test at 8 ranks sharing the GPUs
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DEEP_EP_TEST_TIMEOUT_S=500 DEEP_EP_TEST_BUFFER_TIMEOUT_S=60
@@ -65,14 +66,20 @@ if has bench; then
 fi
 
 if has deepep; then
-    if [ -d _deepep_tests ] && [ "$gpus" -ge 2 ]; then
-        for script in test_intranode test_low_latency; do
-            timeout "$limit" python3 benchmarks/deepep_tests.py _deepep_tests $script --num-processes 2 \
-                > "$out/deepep_$script.log" 2>&1
-            echo "deepep $script exit $?" >> "$out/deepep_$script.log"
-        done
+    if [ -d _deepep_tests ]; then
+        if [ "$gpus" -ge 2 ]; then
+            for script in test_intranode test_low_latency; do
+                timeout "$limit" python3 benchmarks/deepep_tests.py _deepep_tests $script --num-processes 2 \
+                    > "$out/deepep_$script.log" 2>&1
+                echo "deepep $script exit $?" >> "$out/deepep_$script.log"
+            done
+        fi
+        # shrink mode: 8 ranks sharing the GPUs, three of which stop calling (each costs the others a timeout)
+        DEEP_EP_TIMEOUT_S=15 timeout "$limit" python3 benchmarks/deepep_tests.py --share-gpus _deepep_tests \
+            test_low_latency --num-processes 8 --shrink-test > "$out/deepep_shrink_test.log" 2>&1
+        echo "deepep shrink-test exit $?" >> "$out/deepep_shrink_test.log"
     else
-        echo "deepep: needs DeepEP's V1 tests in _deepep_tests/ and 2 GPUs" > "$out/deepep_skipped.log"
+        echo "deepep: needs DeepEP's V1 tests in _deepep_tests/" > "$out/deepep_skipped.log"
     fi
 fi
 
