@@ -58,11 +58,10 @@ def _init_dist(local_rank: int, num_local_ranks: int, on_gpus: bool = False):
     dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", world_size=num_nodes * num_local_ranks,
                             rank=node * num_local_ranks + local_rank)
     torch.set_default_dtype(torch.bfloat16)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local_ranks))
     if on_gpus:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         torch.set_default_device("cuda")
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local_ranks))
     return dist.get_rank(), dist.get_world_size(), dist.new_group(list(range(num_nodes * num_local_ranks)))
 
 

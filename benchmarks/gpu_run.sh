@@ -75,7 +75,7 @@ if has deepep; then
             done
         fi
         # shrink mode: 8 ranks sharing the GPUs, three of which stop calling (each costs the others a timeout)
-        DEEP_EP_TIMEOUT_S=15 timeout "$limit" python3 benchmarks/deepep_tests.py --share-gpus _deepep_tests \
+        DEEP_EP_TIMEOUT_S=25 timeout "$limit" python3 benchmarks/deepep_tests.py --share-gpus _deepep_tests \
             test_low_latency --num-processes 8 --shrink-test > "$out/deepep_shrink_test.log" 2>&1
         echo "deepep shrink-test exit $?" >> "$out/deepep_shrink_test.log"
     else

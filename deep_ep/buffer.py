@@ -468,8 +468,11 @@ class Buffer:
         self._receive_streams = [None, None]   # (the clean waits for the GPU: nothing earlier is left to order)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # nothing of this rank in flight once the barrier passes
-        if self._mask is not None:   # (ranks that do not come are masked; with nothing masked, every rank comes)
-            self._group.mask_absent("clean_low_latency_buffer", self._mask, realign=not bool(self._mask.any()))
+        if self._group.roll_call is not None:   # shrink mode: ranks that do not come are masked
+            self._group.clean_roll_call(self._mask)
+            self._transport.clean_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            self._group.mask_absent("clean_low_latency_buffer", self._mask)
+            return
         ranks = unmasked_ranks(self._mask, self.rank)   # (ranks masked as failed may no longer call)
         self._group.barrier("clean_low_latency_buffer", ranks)
         self._transport.clean_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)

@@ -5,6 +5,7 @@ import datetime
 import hashlib
 import math
 import socket
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -117,38 +118,57 @@ class Group:
     # ---- shrink mode: roll calls through the rendezvous store (roll_call.py) -------------------------------
     def open_roll_call(self, namespace: str) -> None:
         """Let low-latency steps mask ranks that do not arrive (`namespace`: the same on every rank, unique to the
-        Buffer). Without a rendezvous store (an mpi4py communicator) a wait on a gone rank raises instead."""
+        Buffer). Without a rendezvous store (an mpi4py communicator) waits on a gone rank raise instead."""
         store = default_store() if self.group is not None else None
         if store is not None:
             self.roll_call = RollCall(store, namespace, self.rank, self.timeout_s)
 
-    def mask_absent(self, what: str, mask: torch.Tensor, realign: bool = False) -> None:
+    def mask_absent(self, what: str, mask: torch.Tensor) -> None:
         """Shrink mode, before the exchange of a low-latency step (`what`): wait for the ranks `mask` leaves open;
         those that do not arrive within the timeout are marked in `mask`, the same way on every rank that
-        arrives, with a warning. `realign`: a step every rank takes (a clean with nothing masked), after which a
-        rank that sat steps out while masked is in step again."""
-        if self.roll_call is None:
-            return
+        arrives, with a warning."""
+        if self.roll_call is not None:
+            self._roll_call(what, mask, lambda peers: self.roll_call.step(peers))
+
+    def clean_roll_call(self, mask: torch.Tensor) -> None:
+        """Shrink mode, the start of `clean_low_latency_buffer`: mask_absent for the clean, which also brings
+        every rank's point-to-point tag to the highest one (a rank may have sat out exchanges while masked)."""
+        def attend(peers: List[int]) -> List[int]:
+            masked = [r for r, flag in enumerate(mask.tolist()) if flag]
+            absent, self._tag = self.roll_call.clean(peers, masked, self._tag)
+            return absent
+        self._roll_call("clean_low_latency_buffer", mask, attend)
+
+    def _roll_call(self, what: str, mask: torch.Tensor, attend: Callable[[List[int]], List[int]]) -> None:
         self._check_not_broken()
         peers = [r for r, masked in enumerate(mask.tolist()) if not masked and r != self.rank]
         try:
-            absent = self.roll_call.realign(peers) if realign else self.roll_call.step(peers)
+            absent = attend(peers)
         except AbsentError as error:
             self._broken = what
             raise CommTimeoutError(f"rank {self.rank}: {what}: {error}; this Buffer cannot be used any more") from None
+        except RuntimeError as error:   # (the store's own errors: its host is gone or unreachable)
+            self._broken = what
+            raise RuntimeError(f"rank {self.rank}: {what}: the rendezvous store failed ({str(error).strip()}); the "
+                               "rank that hosts it cannot be masked; this Buffer cannot be used any more") from None
         for peer in absent:
             mask[peer] = 1
-            warnings.warn(f"deep_ep: rank {self.rank} masked rank {peer}, which did not reach {what} within "
-                          f"{self.timeout_s:g} s (enable_shrink)", RuntimeWarning, stacklevel=3)
+            warn_caller(f"deep_ep: rank {self.rank} masked rank {peer}, which did not reach {what} within "
+                        f"{self.timeout_s:g} s (enable_shrink)")
 
     def gather_at_destroy(self, mask: torch.Tensor) -> None:
         """Shrink mode's destroy: wait up to the timeout for the ranks `mask` leaves open to reach it too; one
         that does not is only reported (a rank the others masked may wait here for ranks that no longer call)."""
         peers = [r for r, masked in enumerate(mask.tolist()) if not masked and r != self.rank]
-        missing = self.roll_call.gather("destroy", peers)
+        try:
+            missing = self.roll_call.gather("destroy", peers)
+        except RuntimeError as error:
+            warn_caller(f"deep_ep: rank {self.rank} destroyed its Buffer without waiting for the other ranks: the "
+                        f"rendezvous store failed ({str(error).strip()})")
+            return
         if missing:
-            warnings.warn(f"deep_ep: rank {self.rank} destroyed its Buffer without ranks {missing}, which did not "
-                          f"reach destroy within {self.timeout_s:g} s (enable_shrink)", RuntimeWarning, stacklevel=3)
+            warn_caller(f"deep_ep: rank {self.rank} destroyed its Buffer without ranks {missing}, which did not "
+                        f"reach destroy within {self.timeout_s:g} s (enable_shrink)")
 
     # ---- tensor collectives ---------------------------------------------------------------------------
     # `ranks`: only these ranks take part (low-latency calls skip the ranks a shrink mask marks failed, which
@@ -298,6 +318,15 @@ def rows_as_bytes(rows: torch.Tensor) -> torch.Tensor:
 
 # `all_gather_into_tensor` was renamed `all_gather_single` in newer torch releases.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def warn_caller(message: str) -> None:
+    """A RuntimeWarning attributed to the first caller outside this package."""
+    package = __name__.rsplit(".", 1)[0]
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(package + "."):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RuntimeWarning, stacklevel=level)
 
 
 def unmasked_ranks(mask: Optional[torch.Tensor], rank: int) -> Optional[List[int]]:

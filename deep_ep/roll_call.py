@@ -2,20 +2,23 @@
 peers reached a step and which are gone, without a collective that a gone rank would hold up.
 
 Every step has a key per rank under the Buffer's namespace in the store. A rank arriving at a step sets its own
-key to ARRIVED, then polls its peers' keys. A peer whose key is still missing when the timeout expires is
-declared ABSENT by writing that value into its key. Both writes are compare-and-set on an empty key, so for
-every (step, rank) the store keeps whichever came first: all ranks that reach the step read the same verdict,
-and a rank that arrives after being declared absent learns it from its own write. Afterwards the ranks that
-arrived exchange among themselves, in the same set on every rank.
+key to ARRIVED (with a number it passes along and the ranks its shrink mask marks), then polls its peers' keys.
+A peer whose key is still missing when the timeout expires is declared ABSENT by writing that value into its
+key. Both writes are compare-and-set on an empty key, so for every (step, rank) the store keeps whichever came
+first: all ranks that reach the step read the same verdict, and a rank that arrives after being declared
+absent learns it from its own write. Afterwards the ranks that arrived exchange among themselves, in the same
+set on every rank.
 
-Steps are numbered in calls to `step`, which every rank makes in the same order. A rank that is masked by the
-others may sit some steps out; `realign` (at a clean with nothing masked, which every rank takes part in)
-starts a new numbering, so it rejoins in step.
+Steps are named by the index of the last clean (`clean_low_latency_buffer`) and their number since it. A rank
+masked by the others may sit out steps and cleans: at its next clean it looks at the clean of the next index
+and, if every peer that came there has it masked (a clean it missed), at the one after, until one where a
+peer expects it; so it rejoins in step. (Two ranks that sat out the same clean and rejoin together expect each
+other there: they must not both have missed one.)
 """
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 ARRIVED = b"arrived"
 ABSENT = b"absent"
@@ -33,53 +36,75 @@ class RollCall:
 
     def __init__(self, store, namespace: str, rank: int, timeout_s: float) -> None:
         self.store, self.namespace, self.rank, self.timeout_s = store, namespace, rank, timeout_s
-        self._epoch = 0         # numberings started by realign()
-        self._step = 0          # steps taken in this numbering
-        self._last_key: Optional[str] = None   # this rank's key of the previous step (deleted after the next)
+        self._clean = 0         # index of the last clean this rank took part in
+        self._step = 0          # steps since then
+        self._last_key: Optional[str] = None   # this rank's key of its previous step (deleted after the next)
 
     def _key(self, name: str, rank: int) -> str:
         return f"{self.namespace}/{name}/{rank}"
 
     def step(self, peers: Sequence[int]) -> List[int]:
-        """Arrive at the next step and wait for `peers` (group ranks, not this one); returns those declared
-        absent. Raises AbsentError if this rank itself was declared absent at this step."""
-        name = f"{self._epoch}/{self._step}"
+        """Arrive at the next step and wait for `peers` (group ranks); returns those declared absent. Raises
+        AbsentError if this rank itself was declared absent at this step."""
+        name = f"{self._clean}/{self._step}"
         self._step += 1
-        return self._attend(name, peers)
+        self._arrive(name, 0, 0)
+        absent, _ = self._verdicts(name, peers, self._wait(name, peers))
+        previous, self._last_key = self._last_key, self._key(name, self.rank)
+        if previous is not None:   # every peer that came here has taken its verdict on that key
+            _delete(self.store, previous)
+        return absent
 
-    def realign(self, peers: Sequence[int]) -> List[int]:
-        """A step every rank of the group takes, also one that sat out the steps since the last realign (it
-        was masked): it starts a new step numbering. Returns the peers declared absent."""
-        name = f"realign/{self._epoch}"
-        self._epoch += 1
-        self._step = 0
-        return self._attend(name, peers)
+    def clean(self, peers: Sequence[int], masked: Sequence[int], number: int) -> Tuple[List[int], int]:
+        """Arrive at the next clean and wait for `peers`; `masked`: the ranks this rank's mask marks. Returns the
+        peers declared absent and the largest `number` passed by the ranks that came. A rank with no peers (it
+        has masked every other rank) takes no clean index, like a rank that sits the clean out. Clean keys stay
+        in the store: a rank that sat a clean out reads them when it rejoins."""
+        peers = [peer for peer in peers if peer != self.rank]
+        if not peers:
+            return [], number
+        bits = sum(1 << r for r in masked)
+        index = self._clean + 1
+        while True:
+            name = f"clean/{index}"
+            self._arrive(name, number, bits)
+            missing = self._wait(name, peers)
+            records = _get_all(self.store, [self._key(name, peer) for peer in peers if peer not in missing])
+            came = [record for record in records if record != ABSENT]
+            if missing or not came or not all(_masks(record, self.rank) for record in came):
+                break
+            index += 1   # every peer here has this rank masked: a clean it sat out; the next is its own
+        self._clean, self._step = index, 0
+        absent, numbers = self._verdicts(name, peers, missing)
+        return absent, max([number, *numbers])
 
     def gather(self, name: str, peers: Sequence[int]) -> List[int]:
         """Arrive at the one-off step `name` and wait for `peers` up to the timeout, declaring nobody absent
         (for the last step of a Buffer, where nothing depends on the verdict). Returns the peers that did not
         arrive in time."""
-        self._arrive(name)
-        return self._wait(name, peers)
-
-    def _attend(self, name: str, peers: Sequence[int]) -> List[int]:
-        self._arrive(name)
-        peers = [peer for peer in peers if peer != self.rank]
+        self._arrive(name, 0, 0)
         missing = self._wait(name, peers)
-        # a key that exists may hold another rank's verdict ABSENT (its wait started earlier and ended first)
-        present = [peer for peer in peers if peer not in missing]
-        values = _get_all(self.store, [self._key(name, peer) for peer in present])
-        absent = sorted([peer for peer, value in zip(present, values) if value == ABSENT] +
-                        [peer for peer in missing if self.store.compare_set(self._key(name, peer), "", ABSENT) == ABSENT])
-        previous, self._last_key = self._last_key, self._key(name, self.rank)
-        if previous is not None:   # every peer that arrived here has taken its verdict on that key
-            _delete(self.store, previous)
-        return absent
+        if not missing and self._last_key is not None:   # every peer is past the previous step
+            _delete(self.store, self._last_key)
+            self._last_key = None
+        return missing
 
-    def _arrive(self, name: str) -> None:
-        if self.store.compare_set(self._key(name, self.rank), "", ARRIVED) == ABSENT:
-            raise AbsentError(f"rank {self.rank} arrived after the other ranks had waited {self.timeout_s:g} s for it "
-                              "and masked it")
+    def _verdicts(self, name: str, peers: Sequence[int], missing: List[int]) -> Tuple[List[int], List[int]]:
+        """After the wait at step `name`: (peers declared absent, the numbers of the peers that came). A key that
+        exists may hold another rank's verdict ABSENT (its wait started earlier and ended first)."""
+        peers = [peer for peer in peers if peer != self.rank]
+        present = [peer for peer in peers if peer not in missing]
+        values = dict(zip(present, _get_all(self.store, [self._key(name, peer) for peer in present])))
+        for peer in missing:
+            values[peer] = self.store.compare_set(self._key(name, peer), "", ABSENT)
+        absent = sorted(peer for peer, value in values.items() if value == ABSENT)
+        return absent, [int(value.split()[1]) for value in values.values() if value != ABSENT]
+
+    def _arrive(self, name: str, number: int, masked_bits: int) -> None:
+        record = b"%s %d %x" % (ARRIVED, number, masked_bits)
+        if self.store.compare_set(self._key(name, self.rank), "", record) == ABSENT:
+            raise AbsentError(f"rank {self.rank} arrived after the other ranks had waited {self.timeout_s:g} s "
+                              "for it and masked it")
 
     def _wait(self, name: str, peers: Sequence[int]) -> List[int]:
         """Poll the peers' keys until all exist or the timeout expires; returns the peers still missing."""
@@ -94,6 +119,11 @@ class RollCall:
                 return pending
             time.sleep(pause)
             pause = min(2 * pause, _LONGEST_POLL_S)
+
+
+def _masks(record: bytes, rank: int) -> bool:
+    """Whether an ARRIVED record says its rank had `rank` masked."""
+    return bool((int(record.split()[2], 16) >> rank) & 1)
 
 
 def _get_all(store, keys: List[str]) -> List[bytes]:

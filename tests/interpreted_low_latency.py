@@ -23,11 +23,12 @@ MODES = [LowLatencyOptions(use_fp8=False, round_scale=False, use_ue8m0=False),
          LowLatencyOptions(use_fp8=True, round_scale=True, use_ue8m0=True)]
 
 
-def make_ranks(R: int, N: int, H: int, E: int, timeout_ns: int = 10 ** 10) -> List[NVLinkLowLatency]:
+def make_ranks(R: int, N: int, H: int, E: int, automatic: bool = False) -> List[NVLinkLowLatency]:
     areas = [torch.zeros(low_latency_size_hint(N, H, R, E), dtype=torch.uint8) for _ in range(R)]
     peers = SimpleNamespace(bases=torch.tensor([a.data_ptr() for a in areas], dtype=torch.int64), close=lambda: None)
-    return [NVLinkLowLatency(Topology(r, R, R), areas[r], peers, torch.zeros(4 + R, dtype=torch.int32), timeout_ns, 1)
-            for r in range(R)]
+    timeout_ns = 200_000_000 if automatic else 10 ** 10
+    return [NVLinkLowLatency(Topology(r, R, R), areas[r], peers, torch.zeros(4 + R, dtype=torch.int32), timeout_ns, 1,
+                             auto_mask=automatic) for r in range(R)]
 
 
 def make_sources(gen: torch.Generator, R: int, N: int, H: int, K: int, E: int) -> List[M.Source]:
@@ -56,7 +57,7 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent
     when their waits for it time out (after 0.2 s)."""
     errors: List[str] = []
     gen = generator(seed, "interpreted low-latency", R, K, absent, automatic)
-    ranks = make_ranks(R, N, H, E, timeout_ns=200_000_000 if automatic else 10 ** 10)
+    ranks = make_ranks(R, N, H, E, automatic)
     e_loc = E // R
     shrink = [torch.zeros(R, dtype=torch.int32) for _ in range(R)]   # (automatic: every rank's shrink mask)
     for i in range(rounds):

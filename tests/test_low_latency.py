@@ -779,9 +779,10 @@ def run_shrink_absent(chk: Checker, ctx, seed: int) -> None:
 
 def run_shrink_automatic(ctx, seed: int, timeout_s: float) -> List[str]:
     """enable_shrink with ranks that stop calling and are masked by the others' timeouts, as DeepEP's
-    --shrink-test does: after a round with everyone, rank 1 stops at its next dispatch, rank 3 at the combine
-    after it, rank 4 at the clean after that. The others mask each one when their wait for it gives up, all in
-    the same way, and carry on with correct results among themselves; each gone rank destroys its Buffer."""
+    --shrink-test does: after rounds with everyone (and two cleans, one while the ranks' masks differ), rank 1
+    stops at its next dispatch, rank 3 at the combine after it, rank 4 at the clean after that. The others mask
+    each one when their wait for it gives up, all in the same way, and carry on with correct results among
+    themselves; each gone rank destroys its Buffer."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         return _shrink_automatic(ctx, seed, timeout_s, caught)
@@ -830,8 +831,22 @@ def _shrink_automatic(ctx, seed: int, timeout_s: float, caught: List[warnings.Wa
         rows = M.selection_rows(srcs, regions)
         chk.equal("combined_x", combined, M.combine(rank, src.topk_idx, src.topk_weights, rows[rank], ys, e_loc, masks))
 
-    regions, handle = dispatch("everyone", 0, None)
-    combine("everyone", 0, regions, handle, None)
+    # every kind of call made below, first with everyone (its kernels are then compiled on every rank: a rank
+    # still compiling when the others' timeout ends would be masked)
+    for i in range(6):
+        regions, handle = dispatch("everyone", i, None)
+        combine("everyone", i, regions, handle, None)
+    # a clean while the ranks' masks differ (rank 0 alone masks rank 2): everyone still meets, nobody is masked
+    # by a timeout; then rank 0 unmasks it and everyone cleans again
+    if rank == 0:
+        buf.low_latency_update_mask_buffer(2, mask=True)
+    buf.clean_low_latency_buffer(n, hidden, num_experts)
+    query([2] if rank == 0 else [], "a clean with different masks")
+    if rank == 0:
+        buf.low_latency_update_mask_buffer(2, mask=False)
+    buf.clean_low_latency_buffer(n, hidden, num_experts)
+    regions, handle = dispatch("everyone after the cleans", 0, None)
+    combine("everyone after the cleans", 0, regions, handle, None)
     if rank == 1:                                   # gone at its next dispatch
         buf.destroy()
         return chk.errors

@@ -470,11 +470,20 @@ class ReferenceTransport(Transport):
         return combined.to(torch.bfloat16), combined_weights
 
     # ---- low-latency --------------------------------------------------------------------------------------
+    def _roll_call(self, what: str, mask: Optional[torch.Tensor]):
+        """Shrink mode: mask the ranks that do not reach this call within the timeout (Group.mask_absent).
+        Returns the mask as of this call (a copy, also for its receive hook), the mask whose unmasked ranks the
+        wait statistics count (before this roll call: a rank given up on gets the time it was waited for) and
+        the nanoseconds the roll call waited."""
+        if mask is None:
+            return None, None, 0
+        counted, started = mask.clone(), _now_ns()
+        self.group.mask_absent(what, mask)
+        return mask.clone(), counted, _now_ns() - started
+
     def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half,
                              hook):
-        if mask is not None:   # shrink mode: ranks that do not come within the timeout are masked
-            self.group.mask_absent("low_latency_dispatch", mask)
-        mask = None if mask is None else mask.clone()  # the mask as of this call, also for its receive hook
+        mask, counted, roll_call_ns = self._roll_call("low_latency_dispatch", mask)
         topo = self.topology
         ranks = unmasked_ranks(mask, topo.rank)   # (masked ranks take no part: they may no longer call)
         num_ranks, hidden = topo.num_ranks, x.shape[1]
@@ -549,14 +558,12 @@ class ReferenceTransport(Transport):
                 scales = rows["scales"][keep_dev].to(dev)
                 recv_scales[e, p] = pack_ue8m0(scales) if options.use_ue8m0 else scales
             if wait_stats is not None:
-                _add_wait(wait_stats, waited, mask)
+                _add_wait(wait_stats, waited + roll_call_ns, counted)
         return output, receive
 
     def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt,
                             mask, out, wait_stats, half, hook):
-        if mask is not None:
-            self.group.mask_absent("low_latency_combine", mask)
-        mask = None if mask is None else mask.clone()  # the mask as of this call, also for its receive hook
+        mask, counted, roll_call_ns = self._roll_call("low_latency_combine", mask)
         topo = self.topology
         ranks = unmasked_ranks(mask, topo.rank)
         num_ranks = topo.num_ranks
@@ -626,7 +633,7 @@ class ReferenceTransport(Transport):
                 accumulator += weighted[:, k]
             out.copy_(accumulator.to(torch.bfloat16))
             if wait_stats is not None:
-                _add_wait(wait_stats, waited, mask)
+                _add_wait(wait_stats, waited + roll_call_ns, counted)
 
         return receive
 

@@ -77,7 +77,8 @@ def _logfmt_roundtrip(values, H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.c
 @triton.jit
 def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank, experts_per_rank,
           num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
-          H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, LOGFMT: tl.constexpr,
+          H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
+          LOGFMT: tl.constexpr,
           BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
           OWN_FROM_X: tl.constexpr):
     pid = tl.program_id(0)
@@ -92,7 +93,7 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_
     per_expert = tl.sum((ranges & 0xFFFFFFFF).to(tl.int32), axis=1)
     ends = tl.cumsum(per_expert, axis=0)          # rows of experts 0..e, all experts laid end to end
     rank_open, free = begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, ro, timeout_ns, status_ptr,
-                                 R, HAS_MASK)
+                                 R, HAS_MASK, AUTO_MASK)
     total = tl.where(free, tl.sum(per_expert), 0)
     for g0 in range(pid * ROWS, total, num_senders * ROWS):
         g = g0 + po
@@ -121,14 +122,15 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_
 def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
              stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns,
-             H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
+             H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
+             HAS_STATS: tl.constexpr,
              CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr):
     CHUNKS: tl.constexpr = (H + CHUNK - 1) // CHUNK
     pid = tl.program_id(0)
     ko = tl.arange(0, BLOCK_K)
     co = tl.arange(0, CHUNK)
     received, ok = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns,
-                                    status_ptr, WAIT_LL_COMBINE, R, HAS_MASK, HAS_STATS, BLOCK_R)
+                                    status_ptr, WAIT_LL_COMBINE, R, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_R)
     if ok:
         # contiguous items per program: a token's chunks mostly stay in one program (its ids and weights
         # are then read from L1 after the first chunk)
@@ -170,11 +172,12 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, sh
                            experts_per_rank, num_max_tokens, x_expert_stride, x_row_stride, rows_offset,
                            arrived_offset, received_offset, timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
+                           AUTO_MASK: tl.constexpr,
                            LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
                            BLOCK_R: tl.constexpr, ROWS: tl.constexpr, OWN_FROM_X: tl.constexpr):
     _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank, experts_per_rank,
           num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
-          H, K, R, HAS_MASK, LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
+          H, K, R, HAS_MASK, AUTO_MASK, LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
 
 
 @triton.jit
@@ -183,11 +186,13 @@ def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, id
                            x_expert_stride, x_row_stride, num_tokens, num_experts, experts_per_rank, num_senders,
                            timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
+                           AUTO_MASK: tl.constexpr,
                            HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr):
     _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
              stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
-             num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, HAS_STATS, CHUNK, BLOCK_K,
+             num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, AUTO_MASK, HAS_STATS, CHUNK,
+             BLOCK_K,
              BLOCK_R, OWN_FROM_X)
 
 
@@ -198,14 +203,16 @@ def ll_combine_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_
                       rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, out_ptr, stats_ptr,
                       num_tokens, num_experts, num_senders,
                       H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
+                      AUTO_MASK: tl.constexpr,
                       LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
                       ROWS: tl.constexpr, HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
                       OWN_FROM_X: tl.constexpr):
     """Send, then receive, in one launch of NUM_SENDERS programs (as ll_dispatch_kernel)."""
     _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank, experts_per_rank,
           num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
-          H, K, R, HAS_MASK, LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
+          H, K, R, HAS_MASK, AUTO_MASK, LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
     _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
              stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
-             num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, HAS_STATS, CHUNK, BLOCK_K,
+             num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, AUTO_MASK, HAS_STATS, CHUNK,
+             BLOCK_K,
              BLOCK_R, OWN_FROM_X)

@@ -72,6 +72,7 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr
           experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
           UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr,
+          AUTO_MASK: tl.constexpr,
           BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     pid = tl.program_id(0)
     num_senders = tl.num_programs(0)
@@ -80,7 +81,7 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr
     ho = tl.arange(0, BLOCK_H)
     so = tl.arange(0, BLOCK_G)
     rank_open, free = begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, ro, timeout_ns, status_ptr,
-                                 R, HAS_MASK)
+                                 R, HAS_MASK, AUTO_MASK)
     for t in range(pid, tl.where(free, num_tokens, 0), num_senders):
         token = tl.cast(t, tl.int64)   # (a cast, not .to: the interpreter's loop counters are ints)
         ids = tl.load(idx_ptr + token * K + ko, mask=ko < K, other=-1)
@@ -127,13 +128,14 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr
 def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K: tl.constexpr, R: tl.constexpr, XW: tl.constexpr,
-             SW: tl.constexpr, SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
+             SW: tl.constexpr, SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
+             HAS_STATS: tl.constexpr,
              BLOCK_RN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
              ROWS: tl.constexpr):
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
     received, ok = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns,
-                                    status_ptr, WAIT_LL_DISPATCH, R, HAS_MASK, HAS_STATS, BLOCK_R)
+                                    status_ptr, WAIT_LL_DISPATCH, R, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_R)
     if ok:
         RN = R * num_max_tokens
         jo = tl.arange(0, BLOCK_RN)            # entry j = source * N + token
@@ -202,11 +204,12 @@ def ll_dispatch_send_kernel(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shri
                             received_offset, timeout_ns,
                             H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
                             ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
-                            SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr,
+                            SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
+                            BLOCK_H: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
           experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
-          H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
+          H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
 
 
 @triton.jit
@@ -214,12 +217,14 @@ def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, fin
                             stats_ptr, status_ptr, out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr,
                             count_ptr, rank, experts_per_rank, num_max_tokens, num_senders, timeout_ns, K: tl.constexpr,
                             R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr,
-                            HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_RN: tl.constexpr,
+                            HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
+                            BLOCK_RN: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
                             ROWS: tl.constexpr):
     _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
-             num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, HAS_STATS, BLOCK_RN, BLOCK_R,
+             num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_RN,
+             BLOCK_R,
              BLOCK_X, BLOCK_S, ROWS)
 
 
@@ -231,7 +236,7 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, shrink_ptr, status_p
                        out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, num_senders,
                        H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
                        ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
-                       SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr,
+                       SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
                        HAS_STATS: tl.constexpr, BLOCK_RN: tl.constexpr, BLOCK_X: tl.constexpr,
                        BLOCK_S: tl.constexpr, ROWS: tl.constexpr):
@@ -240,8 +245,9 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, shrink_ptr, status_p
     waits never keeps one that has yet to send from starting."""
     _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
           experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
-          H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
+          H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
     _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
-             num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, HAS_STATS, BLOCK_RN, BLOCK_R,
+             num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_RN,
+             BLOCK_R,
              BLOCK_X, BLOCK_S, ROWS)

@@ -65,9 +65,9 @@ _COMBINE_INPUTS = ("x_ptr", "layout_ptr", "route_ptr", "mask_ptr")
 _COMBINE_OUTPUTS = ("mask_ptr", "idx_ptr", "weights_ptr", "out_ptr", "num_tokens", "stats_ptr")
 # arguments the receive kernels take from the send kernels' argument sets
 _DISPATCH_SHARED = ("shrink_ptr", "status_ptr", "rank", "experts_per_rank", "num_max_tokens", "timeout_ns", "K", "R",
-                    "XW", "SW", "SLOT_W", "HAS_MASK", "BLOCK_R")
+                    "XW", "SW", "SLOT_W", "HAS_MASK", "AUTO_MASK", "BLOCK_R")
 _COMBINE_SHARED = ("shrink_ptr", "status_ptr", "experts_per_rank", "timeout_ns", "H", "K", "R", "HAS_MASK",
-                   "BLOCK_R", "num_max_tokens", "x_expert_stride", "x_row_stride", "OWN_FROM_X")
+                   "AUTO_MASK", "BLOCK_R", "num_max_tokens", "x_expert_stride", "x_row_stride", "OWN_FROM_X")
 
 
 def _next_pow2(value: int) -> int:
@@ -110,10 +110,13 @@ class NVLinkLowLatency:
     let a combine return every row to its (token, slot)."""
 
     def __init__(self, topology: Topology, area: torch.Tensor, peers: Any, status: torch.Tensor,
-                 timeout_ns: int, num_sms: int) -> None:
+                 timeout_ns: int, num_sms: int, auto_mask: bool = False) -> None:
         """`area`: this rank's zeroed low-latency area; `peers.bases`: every rank's area as mapped here (an
-        int64 tensor on the area's device), `peers.close()` unmaps them. Use `open_on_group` on GPUs."""
+        int64 tensor on the area's device), `peers.close()` unmaps them. Use `open_on_group` on GPUs.
+        `auto_mask`: in shrink mode a wait that gives up on a rank masks it (the host steps can then go on
+        without it: Group.roll_call); otherwise it fails, as without shrink mode."""
         self.topology, self.device, self.status, self.timeout_ns = topology, area.device, status, timeout_ns
+        self.auto_mask = auto_mask
         self.area, self.peers, self.num_sms = area, peers, num_sms
         self.finished = torch.zeros(2, dtype=torch.int64, device=area.device)   # programs done with a receive
         # send and receive in one kernel when there is no hook: its programs wait for each other, so they are
@@ -136,7 +139,8 @@ class NVLinkLowLatency:
         area = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
         torch.cuda.synchronize(device)
         return cls(topology, area, PeerBuffers(area, group), status, timeout_ns,
-                   torch.cuda.get_device_properties(device).multi_processor_count)
+                   torch.cuda.get_device_properties(device).multi_processor_count,
+                   auto_mask=group.roll_call is not None)
 
     # ---- views of the local area ---------------------------------------------------------------------------
     def _view(self, offset: int, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -181,6 +185,7 @@ class NVLinkLowLatency:
             slots_offset=geometry.data, arrived_offset=geometry.arrived, received_offset=geometry.received,
             timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R, FP8=options.use_fp8, ROUND=options.round_scale,
             UE8M0=options.use_ue8m0, XW=payload_words, SW=scale_words, SLOT_W=slot_words, HAS_MASK=has_mask,
+            AUTO_MASK=has_mask and self.auto_mask,
             BLOCK_H=block_h, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
             BLOCK_G=block_h // (512 if options.use_ue8m0 else 128) if options.use_fp8 else 1)
         arrived, received, finished = self._counters(geometry, half)
@@ -313,7 +318,8 @@ class NVLinkLowLatency:
             status_ptr=self.status, rank=rank, experts_per_rank=experts_per_rank,
             num_max_tokens=num_max_tokens, x_expert_stride=strides[0], x_row_stride=strides[1],
             rows_offset=geometry.data, arrived_offset=geometry.arrived, received_offset=geometry.received,
-            timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R, HAS_MASK=has_mask, LOGFMT=use_logfmt, BLOCK_H=block_h,
+            timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R, HAS_MASK=has_mask, AUTO_MASK=has_mask and self.auto_mask,
+            LOGFMT=use_logfmt, BLOCK_H=block_h,
             BLOCK_E=_next_pow2(experts_per_rank), BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS,
             OWN_FROM_X=own_from_x)
         arrived, received, finished = self._counters(geometry, half)

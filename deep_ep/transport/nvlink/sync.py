@@ -8,10 +8,11 @@ out, every later wait of the Buffer gives up after STALE_NS (status[0] is set): 
 GPU, or a CUDA graph replayed without a host check, then finishes quickly instead of waiting out the
 timeout at every step.
 
-Low-latency waits in shrink mode (enable_shrink) do not fail: a rank they give up on is masked instead, in the
-call's mask, in the Buffer's (so later calls skip it) and in status[4 + rank] (the host warns), and the call goes
-on without it, as DeepEP masks a rank on a timeout. Such a wait also stops waiting for a rank that another kernel
-of the Buffer has masked meanwhile (looked at, like status[0], after STALE_NS).
+Low-latency waits in shrink mode (enable_shrink, with roll calls through the store on the host) do not fail: a
+rank they give up on is masked instead, in the call's mask, in the Buffer's (so later calls skip it) and in
+status[4 + rank] (the host warns), and the call goes on without it, as DeepEP masks a rank on a timeout. Such a
+wait also stops waiting for a rank that another kernel of the Buffer has masked meanwhile (looked at, like
+status[0], after STALE_NS).
 """
 import triton
 import triton.language as tl
@@ -48,8 +49,8 @@ def report_timeout(status_ptr, code, peer):
 def _spin(ptrs, targets, mask, timeout_ns, status_ptr, shrink_ptrs, SHRINK: tl.constexpr):
     """Spin until every counter `ptrs[i]` (where `mask`) is >= `targets[i]`, polling only the lanes still behind,
     until the timeout or an earlier timeout of the Buffer (status[0]); with SHRINK, a lane also stops once its
-    rank is masked at `shrink_ptrs[i]`. Returns (lanes given up on, waited): waited[i] is the nanoseconds from
-    the start until lane i was seen ready."""
+    rank is masked at `shrink_ptrs[i]`. Returns (lanes given up on, waited, stale): waited[i] is the
+    nanoseconds from the start until lane i was seen ready; stale: it stopped for an earlier timeout."""
     start = clock_ns()
     values = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
     lagging = (mask & (values < targets)).to(tl.int32)
@@ -71,7 +72,7 @@ def _spin(ptrs, targets, mask, timeout_ns, status_ptr, shrink_ptrs, SHRINK: tl.c
                 gone = (lagging > 0) & (tl.load(shrink_ptrs, mask=lagging > 0, other=0, volatile=True) != 0)
                 masked = tl.where(gone, 1, masked)
                 lagging = tl.where(gone, 0, lagging)
-    return tl.maximum(lagging, masked), waited
+    return tl.maximum(lagging, masked), waited, stale
 
 
 @triton.jit
@@ -79,7 +80,7 @@ def wait_counters(ptrs, targets, mask, peers, timeout_ns, status_ptr, code):
     """Spin until every counter `ptrs[i]` (where `mask`) is >= `targets[i]`; returns (ok, waited): waited[i] is
     the nanoseconds from the start until lane i was seen ready. On timeout the first lagging lane's `peers[i]`
     is reported."""
-    lagging, waited = _spin(ptrs, targets, mask, timeout_ns, status_ptr, ptrs, False)
+    lagging, waited, _ = _spin(ptrs, targets, mask, timeout_ns, status_ptr, ptrs, False)
     ok = tl.sum(lagging) == 0
     if not ok:
         report_timeout(status_ptr, code, tl.min(tl.where(lagging > 0, peers, NO_PEER)))
@@ -88,20 +89,22 @@ def wait_counters(ptrs, targets, mask, peers, timeout_ns, status_ptr, code):
 
 @triton.jit
 def wait_ranks(ptrs, targets, ranks, lanes, timeout_ns, status_ptr, code, mask_ptr, shrink_ptr,
-               SHRINK: tl.constexpr):
+               AUTO_MASK: tl.constexpr):
     """A low-latency wait until `ptrs[i]` >= `targets[i]` for every rank i in `ranks` (lane i: rank i). Without
-    SHRINK as wait_counters. With SHRINK a rank given up on is masked in this call's mask (`mask_ptr`), in the
-    Buffer's (`shrink_ptr`) and in status[4 + rank] (= `code`, for the host's warning), and the wait succeeds
-    without it. Returns (ranks still open, ok, waited)."""
-    lagging, waited = _spin(ptrs, targets, ranks, timeout_ns, status_ptr, shrink_ptr + lanes, SHRINK)
+    AUTO_MASK as wait_counters. With AUTO_MASK (shrink mode) a rank given up on is masked in this call's mask
+    (`mask_ptr`), in the Buffer's (`shrink_ptr`) and in status[4 + rank] (= `code`, for the host's warning),
+    and the wait succeeds without it; after an earlier timeout of the Buffer (status[0]) it fails instead.
+    Returns (ranks still open, ok, waited)."""
+    lagging, waited, stale = _spin(ptrs, targets, ranks, timeout_ns, status_ptr, shrink_ptr + lanes, AUTO_MASK)
     gone = lagging > 0
     ok = tl.sum(lagging) == 0
-    if SHRINK:
+    if AUTO_MASK:
+        gone = gone & (stale == 0)
         tl.atomic_xchg(mask_ptr + lanes, 1, mask=gone, sem="relaxed", scope="gpu")
         tl.atomic_xchg(shrink_ptr + lanes, 1, mask=gone, sem="relaxed", scope="gpu")
         tl.atomic_xchg(status_ptr + 4 + lanes, code, mask=gone, sem="relaxed", scope="sys")
         ranks = ranks & ~gone
-        ok = ok | True
+        ok = stale == 0
     elif not ok:
         report_timeout(status_ptr, code, tl.min(tl.where(gone, lanes, NO_PEER)))
     return ranks, ok, waited
@@ -175,16 +178,18 @@ def report_bad_ids(status_ptr, bad, ids):
 
 @triton.jit
 def wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns, status_ptr,
-                     code, R: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_R: tl.constexpr):
+                     code, R: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
+                     HAS_STATS: tl.constexpr, BLOCK_R: tl.constexpr):
     """The start of a low-latency receive program: wait until ARRIVED[s] >= num_senders * (RECEIVED + 1) for
-    every source s its shrink mask leaves open (with a mask, a source given up on is masked: wait_ranks); with
-    HAS_STATS, program 0 adds to stats[s] how long source s was waited for. Returns (RECEIVED, ok), after a
-    barrier (every thread's later reads follow the wait; they read the mask again, with masked_ranks)."""
+    every source s its shrink mask leaves open (AUTO_MASK: a source given up on is masked, wait_ranks); with
+    HAS_STATS, program 0 adds to stats[s] how long source s was waited for (also for a source given up on).
+    Returns (RECEIVED, ok), after a barrier (every thread's later reads follow the wait; they read the mask
+    again, with masked_ranks)."""
     lanes = tl.arange(0, BLOCK_R)
     received = tl.load(received_ptr)
     sources = open_ranks(mask_ptr, lanes, R, HAS_MASK)
-    sources, ok, waited = wait_ranks(arrived_ptr + lanes, (received + 1) * num_senders, sources, lanes, timeout_ns,
-                                     status_ptr, code, mask_ptr, shrink_ptr, HAS_MASK)
+    _, ok, waited = wait_ranks(arrived_ptr + lanes, (received + 1) * num_senders, sources, lanes, timeout_ns,
+                               status_ptr, code, mask_ptr, shrink_ptr, AUTO_MASK)
     if HAS_STATS:
         if tl.program_id(0) == 0:
             tl.atomic_add(stats_ptr + lanes, waited, mask=sources, sem="relaxed")
@@ -219,25 +224,25 @@ def claim_arrival(bases_ptr, lanes, ranks, arrived_offset, rank):
 
 @triton.jit
 def begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, lanes, timeout_ns, status_ptr,
-               R: tl.constexpr, HAS_MASK: tl.constexpr):
+               R: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr):
     """The start of a low-latency send program (the twin of wait_for_senders): the ranks it exchanges with, and
     whether all of them have freed the buffer half (wait_half_free); if not, it sends nothing and the host
-    reports the timeout (with a mask, a rank given up on is masked instead). Returns (open ranks, ok)."""
+    reports the timeout (AUTO_MASK: a rank given up on is masked instead). Returns (open ranks, ok)."""
     ranks = open_ranks(mask_ptr, lanes, R, HAS_MASK)
     return wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, status_ptr, mask_ptr,
-                          shrink_ptr, HAS_MASK)
+                          shrink_ptr, AUTO_MASK)
 
 
 @triton.jit
 def wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, status_ptr, mask_ptr, shrink_ptr,
-                   SHRINK: tl.constexpr):
+                   AUTO_MASK: tl.constexpr):
     """Before a low-latency send into a buffer half: wait until every rank in `ranks` has received as many
     calls on this half as this rank has (RECEIVED at `received_offset` of each buffer), so nothing it has not
     read yet is overwritten. Returns (ranks still open, ok) (wait_ranks)."""
     own = tl.load((tl.load(bases_ptr + rank) + received_offset).to(tl.pointer_type(tl.int64)))
     bases = tl.load(bases_ptr + lanes, mask=ranks, other=0)
     ranks, ok, _ = wait_ranks((bases + received_offset).to(tl.pointer_type(tl.int64)), own, ranks, lanes, timeout_ns,
-                              status_ptr, WAIT_LL_FREE, mask_ptr, shrink_ptr, SHRINK)
+                              status_ptr, WAIT_LL_FREE, mask_ptr, shrink_ptr, AUTO_MASK)
     tl.debug_barrier()   # every thread's stores into the half come after the acquiring loads
     return ranks, ok
 
