@@ -141,25 +141,27 @@ class Group:
 
     def _roll_call(self, what: str, mask: torch.Tensor, attend: Callable[[List[int]], List[int]]) -> None:
         self._check_not_broken()
-        peers = [r for r, masked in enumerate(mask.tolist()) if not masked and r != self.rank]
+        peers = _roll_call_peers(mask.tolist(), self.rank)
         try:
             absent = attend(peers)
         except AbsentError as error:
             self._broken = what
             raise CommTimeoutError(f"rank {self.rank}: {what}: {error}; this Buffer cannot be used any more") from None
-        except RuntimeError as error:   # (the store's own errors: its host is gone or unreachable)
+        except RuntimeError as error:   # (the store's own errors)
             self._broken = what
-            raise RuntimeError(f"rank {self.rank}: {what}: the rendezvous store failed ({str(error).strip()}); the "
-                               "rank that hosts it cannot be masked; this Buffer cannot be used any more") from None
+            raise RuntimeError(f"rank {self.rank}: {what}: the rendezvous store failed ({str(error).strip()}); if "
+                               "the rank that hosts it is gone, it cannot be masked; this Buffer cannot be used any "
+                               "more") from None
         for peer in absent:
             mask[peer] = 1
+        for peer in absent:
             warn_caller(f"deep_ep: rank {self.rank} masked rank {peer}, which did not reach {what} within "
                         f"{self.timeout_s:g} s (enable_shrink)")
 
     def gather_at_destroy(self, mask: torch.Tensor) -> None:
         """Shrink mode's destroy: wait up to the timeout for the ranks `mask` leaves open to reach it too; one
         that does not is only reported (a rank the others masked may wait here for ranks that no longer call)."""
-        peers = [r for r, masked in enumerate(mask.tolist()) if not masked and r != self.rank]
+        peers = _roll_call_peers(mask.tolist(), self.rank)
         try:
             missing = self.roll_call.gather("destroy", peers)
         except RuntimeError as error:
@@ -318,6 +320,14 @@ def rows_as_bytes(rows: torch.Tensor) -> torch.Tensor:
 
 # `all_gather_into_tensor` was renamed `all_gather_single` in newer torch releases.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def _roll_call_peers(mask: List[int], rank: int) -> List[int]:
+    """The ranks a roll call waits for: those the mask leaves open; none if it masks this rank itself (the
+    others have it masked too: it takes part in nothing, like a rank that masks every other)."""
+    if mask[rank]:
+        return []
+    return [r for r, masked in enumerate(mask) if not masked and r != rank]
 
 
 def warn_caller(message: str) -> None:

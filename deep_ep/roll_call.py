@@ -39,6 +39,7 @@ class RollCall:
         self._clean = 0         # index of the last clean this rank took part in
         self._step = 0          # steps since then
         self._last_key: Optional[str] = None   # this rank's key of its previous step (deleted after the next)
+        self._last_peers: List[int] = []       # that step's peers
 
     def _key(self, name: str, rank: int) -> str:
         return f"{self.namespace}/{name}/{rank}"
@@ -48,12 +49,20 @@ class RollCall:
         AbsentError if this rank itself was declared absent at this step."""
         name = f"{self._clean}/{self._step}"
         self._step += 1
+        peers = [peer for peer in peers if peer != self.rank]
         self._arrive(name, 0, 0)
         absent, _ = self._verdicts(name, peers, self._wait(name, peers))
-        previous, self._last_key = self._last_key, self._key(name, self.rank)
-        if previous is not None:   # every peer that came here has taken its verdict on that key
-            _delete(self.store, previous)
+        self._forget_previous(peers, absent)
+        self._last_key, self._last_peers = self._key(name, self.rank), peers
         return absent
+
+    def _forget_previous(self, peers: List[int], absent: List[int]) -> None:
+        """Delete this rank's key of the previous step once every peer of that step has come to this one (it
+        has then taken its verdict there). A peer that is not here (masked since) may still be reading it."""
+        here = set(peers) - set(absent)
+        if self._last_key is not None and set(self._last_peers) <= here:
+            _delete(self.store, self._last_key)
+            self._last_key = None
 
     def clean(self, peers: Sequence[int], masked: Sequence[int], number: int) -> Tuple[List[int], int]:
         """Arrive at the next clean and wait for `peers`; `masked`: the ranks this rank's mask marks. Returns the
@@ -71,7 +80,7 @@ class RollCall:
             missing = self._wait(name, peers)
             records = _get_all(self.store, [self._key(name, peer) for peer in peers if peer not in missing])
             came = [record for record in records if record != ABSENT]
-            if missing or not came or not all(_masks(record, self.rank) for record in came):
+            if not came or not all(_masks(record, self.rank) for record in came):
                 break
             index += 1   # every peer here has this rank masked: a clean it sat out; the next is its own
         self._clean, self._step = index, 0
@@ -82,11 +91,10 @@ class RollCall:
         """Arrive at the one-off step `name` and wait for `peers` up to the timeout, declaring nobody absent
         (for the last step of a Buffer, where nothing depends on the verdict). Returns the peers that did not
         arrive in time."""
+        peers = [peer for peer in peers if peer != self.rank]
         self._arrive(name, 0, 0)
         missing = self._wait(name, peers)
-        if not missing and self._last_key is not None:   # every peer is past the previous step
-            _delete(self.store, self._last_key)
-            self._last_key = None
+        self._forget_previous(peers, missing)
         return missing
 
     def _verdicts(self, name: str, peers: Sequence[int], missing: List[int]) -> Tuple[List[int], List[int]]:
@@ -107,18 +115,17 @@ class RollCall:
                               "for it and masked it")
 
     def _wait(self, name: str, peers: Sequence[int]) -> List[int]:
-        """Poll the peers' keys until all exist or the timeout expires; returns the peers still missing."""
-        pending = [peer for peer in peers if peer != self.rank]
-        if not pending or self.store.check([self._key(name, peer) for peer in pending]):
-            return []
+        """Poll the peers' keys (one request a poll) until all exist or the timeout expires; returns the peers
+        still missing."""
+        keys = [self._key(name, peer) for peer in peers if peer != self.rank]
         deadline = time.monotonic() + self.timeout_s
         pause = _FIRST_POLL_S
-        while True:
-            pending = [peer for peer in pending if not self.store.check([self._key(name, peer)])]
-            if not pending or time.monotonic() > deadline:
-                return pending
+        while keys and not self.store.check(keys):
+            if time.monotonic() > deadline:
+                return [peer for peer in peers if peer != self.rank and not self.store.check([self._key(name, peer)])]
             time.sleep(pause)
             pause = min(2 * pause, _LONGEST_POLL_S)
+        return []
 
 
 def _masks(record: bytes, rank: int) -> bool:

@@ -71,15 +71,16 @@ def _expect_16_byte_rows(counts: Counter, tile_bytes: int, num_warps: int, loads
         assert counts["ld", 2] == 0 and counts["st", 2] == 0, counts
 
 
-LL_COMBINE = dict(H=H, K=K, R=R, HAS_MASK=False, LOGFMT=False, BLOCK_H=_next_pow2(H), BLOCK_E=256, BLOCK_R=R,
+LL_COMBINE = dict(H=H, K=K, R=R, HAS_MASK=False, AUTO_MASK=False, LOGFMT=False, BLOCK_H=_next_pow2(H), BLOCK_E=256, BLOCK_R=R,
                   ROWS=ll.COMBINE_SEND_ROWS, HAS_STATS=False, BLOCK_K=K,
                   CHUNK=min(_next_pow2(H), max(128, ll.COMBINE_TILE // K)))
 LL_STRIDES = ("x_expert_stride", "x_row_stride", "num_max_tokens")
 
 
-@pytest.mark.parametrize("own_from_x", [False, True])
-def test_low_latency_combine_receive_loads_rows_in_16_bytes(own_from_x):
-    counts = _accesses(ll_combine.ll_combine_recv_kernel, ll.RECV_WARPS, dict(LL_COMBINE, OWN_FROM_X=own_from_x),
+@pytest.mark.parametrize("own_from_x, shrink", [(False, False), (True, False), (True, True)])
+def test_low_latency_combine_receive_loads_rows_in_16_bytes(own_from_x, shrink):
+    counts = _accesses(ll_combine.ll_combine_recv_kernel, ll.RECV_WARPS,
+                       dict(LL_COMBINE, OWN_FROM_X=own_from_x, HAS_MASK=shrink, AUTO_MASK=shrink),
                        LL_STRIDES, fp_fusion=False)
     _expect_16_byte_rows(counts, K * LL_COMBINE["CHUNK"] * 2, ll.RECV_WARPS, stores=False)
 
@@ -94,15 +95,16 @@ def test_low_latency_combine_send_moves_rows_in_16_bytes(own_from_x):
 def _ll_dispatch_constexprs(fp8: bool) -> Dict[str, object]:
     payload_words, scale_words = (H // 4, H // 128) if fp8 else (H // 2, 0)
     return dict(H=H, K=K, R=R, FP8=fp8, ROUND=False, UE8M0=False, XW=payload_words, SW=scale_words,
-                SLOT_W=payload_words + scale_words, HAS_MASK=False, BLOCK_H=_next_pow2(H), BLOCK_K=K, BLOCK_R=R,
+                SLOT_W=payload_words + scale_words, HAS_MASK=False, AUTO_MASK=False, BLOCK_H=_next_pow2(H), BLOCK_K=K, BLOCK_R=R,
                 BLOCK_G=_next_pow2(H) // 128 if fp8 else 1, HAS_STATS=False, BLOCK_RN=_next_pow2(R * 128),
                 BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=ll.RECV_ROWS)
 
 
-@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
-def test_low_latency_dispatch_send_moves_rows_in_16_bytes(fp8):
-    counts = _accesses(ll_dispatch.ll_dispatch_send_kernel, ll.NUM_WARPS, _ll_dispatch_constexprs(fp8),
-                       ("num_max_tokens",))
+@pytest.mark.parametrize("fp8, shrink", [(True, False), (False, False), (True, True)],
+                         ids=["fp8", "bf16", "fp8-shrink"])
+def test_low_latency_dispatch_send_moves_rows_in_16_bytes(fp8, shrink):
+    counts = _accesses(ll_dispatch.ll_dispatch_send_kernel, ll.NUM_WARPS,
+                       dict(_ll_dispatch_constexprs(fp8), HAS_MASK=shrink, AUTO_MASK=shrink), ("num_max_tokens",))
     # the bf16 row is loaded once and stored (as e4m3 or bf16) once per destination rank
     _expect_16_byte_rows(counts, _next_pow2(H) * 2, ll.NUM_WARPS, stores=False)
     _expect_16_byte_rows(counts, _next_pow2(H) * (1 if fp8 else 2), ll.NUM_WARPS, loads=False)
