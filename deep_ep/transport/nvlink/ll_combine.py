@@ -78,8 +78,7 @@ def _logfmt_roundtrip(values, H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.c
 def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank, experts_per_rank,
           num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
-          LOGFMT: tl.constexpr,
-          BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+          LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
           OWN_FROM_X: tl.constexpr):
     pid = tl.program_id(0)
     num_senders = tl.num_programs(0)
@@ -123,8 +122,8 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
              stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns,
              H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
-             HAS_STATS: tl.constexpr,
-             CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr):
+             HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+             OWN_FROM_X: tl.constexpr):
     CHUNKS: tl.constexpr = (H + CHUNK - 1) // CHUNK
     pid = tl.program_id(0)
     ko = tl.arange(0, BLOCK_K)
@@ -172,8 +171,7 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, sh
                            experts_per_rank, num_max_tokens, x_expert_stride, x_row_stride, rows_offset,
                            arrived_offset, received_offset, timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
-                           AUTO_MASK: tl.constexpr,
-                           LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+                           AUTO_MASK: tl.constexpr, LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
                            BLOCK_R: tl.constexpr, ROWS: tl.constexpr, OWN_FROM_X: tl.constexpr):
     _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank, experts_per_rank,
           num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
@@ -186,14 +184,12 @@ def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, id
                            x_expert_stride, x_row_stride, num_tokens, num_experts, experts_per_rank, num_senders,
                            timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
-                           AUTO_MASK: tl.constexpr,
-                           HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                           AUTO_MASK: tl.constexpr, HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr):
     _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
              stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, AUTO_MASK, HAS_STATS, CHUNK,
-             BLOCK_K,
-             BLOCK_R, OWN_FROM_X)
+             BLOCK_K, BLOCK_R, OWN_FROM_X)
 
 
 @triton.jit
@@ -214,5 +210,4 @@ def ll_combine_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_
     _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
              stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, AUTO_MASK, HAS_STATS, CHUNK,
-             BLOCK_K,
-             BLOCK_R, OWN_FROM_X)
+             BLOCK_K, BLOCK_R, OWN_FROM_X)

@@ -72,8 +72,8 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr
           experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
           UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr,
-          AUTO_MASK: tl.constexpr,
-          BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+          AUTO_MASK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+          BLOCK_G: tl.constexpr):
     pid = tl.program_id(0)
     num_senders = tl.num_programs(0)
     ko = tl.arange(0, BLOCK_K)
@@ -129,9 +129,8 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K: tl.constexpr, R: tl.constexpr, XW: tl.constexpr,
              SW: tl.constexpr, SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
-             HAS_STATS: tl.constexpr,
-             BLOCK_RN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
-             ROWS: tl.constexpr):
+             HAS_STATS: tl.constexpr, BLOCK_RN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr,
+             BLOCK_S: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
     received, ok = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns,
@@ -205,8 +204,7 @@ def ll_dispatch_send_kernel(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shri
                             H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
                             ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
                             SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
-                            BLOCK_H: tl.constexpr,
-                            BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+                            BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
           experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
           H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
@@ -218,14 +216,12 @@ def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, fin
                             count_ptr, rank, experts_per_rank, num_max_tokens, num_senders, timeout_ns, K: tl.constexpr,
                             R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr,
                             HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
-                            BLOCK_RN: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
+                            BLOCK_RN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
                             ROWS: tl.constexpr):
     _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_RN,
-             BLOCK_R,
-             BLOCK_X, BLOCK_S, ROWS)
+             BLOCK_R, BLOCK_X, BLOCK_S, ROWS)
 
 
 @triton.jit
@@ -249,5 +245,4 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, shrink_ptr, status_p
     _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_RN,
-             BLOCK_R,
-             BLOCK_X, BLOCK_S, ROWS)
+             BLOCK_R, BLOCK_X, BLOCK_S, ROWS)
