@@ -11,14 +11,14 @@ set on every rank.
 
 Steps are named by the index of the last clean (`clean_low_latency_buffer`) and their number since it. A rank
 masked by the others may sit out steps and cleans: at its next clean it looks at the clean of the next index
-and, if every peer that came there has it masked (a clean it missed), at the one after, until one where a
-peer expects it; so it rejoins in step. (Two ranks that sat out the same clean and rejoin together expect each
-other there: they must not both have missed one.)
+and, if every rank holding that clean (a rank that came there and that no one who came has masked) has it
+masked, it sat that clean out and looks at the next, until one where it is expected; so it rejoins in step,
+also together with other ranks that sat the same cleans out.
 """
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 ARRIVED = b"arrived"
 ABSENT = b"absent"
@@ -78,11 +78,15 @@ class RollCall:
             name = f"clean/{index}"
             self._arrive(name, number, bits)
             missing = self._wait(name, peers)
-            records = _get_all(self.store, [self._key(name, peer) for peer in peers if peer not in missing])
-            came = [record for record in records if record != ABSENT]
-            if not came or not all(_masks(record, self.rank) for record in came):
+            present = [peer for peer in peers if peer not in missing]
+            records = dict(zip(present, _get_all(self.store, [self._key(name, peer) for peer in present])))
+            masks = {peer: _masked(record) for peer, record in records.items() if record != ABSENT}
+            # the ranks that hold this clean: those that came and that no one who came has masked (another rank
+            # that sat it out and comes back now does not count)
+            holders = [peer for peer in masks if not any(peer in other for other in masks.values())]
+            if not holders or not all(self.rank in masks[peer] for peer in holders):
                 break
-            index += 1   # every peer here has this rank masked: a clean it sat out; the next is its own
+            index += 1   # every rank holding this clean has this rank masked: a clean it sat out
         self._clean, self._step = index, 0
         absent, numbers = self._verdicts(name, peers, missing)
         return absent, max([number, *numbers])
@@ -128,9 +132,10 @@ class RollCall:
         return []
 
 
-def _masks(record: bytes, rank: int) -> bool:
-    """Whether an ARRIVED record says its rank had `rank` masked."""
-    return bool((int(record.split()[2], 16) >> rank) & 1)
+def _masked(record: bytes) -> Set[int]:
+    """The ranks an ARRIVED record says its rank had masked."""
+    bits = int(record.split()[2], 16)
+    return {rank for rank in range(bits.bit_length()) if (bits >> rank) & 1}
 
 
 def _get_all(store, keys: List[str]) -> List[bytes]:

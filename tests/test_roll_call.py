@@ -127,3 +127,19 @@ def test_a_cut_off_rank_takes_no_clean_and_meets_the_others_later(cut_off_rank_m
 
     results = run_ranks({0: steady, 1: steady, 2: cut_off}, 3)
     assert results == {0: ([], [], 2), 1: ([], [], 2), 2: ([], [], 2)}, results
+
+
+def test_two_ranks_that_sat_the_same_clean_out_rejoin_together():
+    """Ranks 2 and 3 were masked by ranks 0 and 1 for one clean and come back together, before the others
+    start it: at the missed clean they see each other (neither masks the other), but the ranks holding it
+    have both masked; they pass over it and everyone meets at the next."""
+    def steady(call: RollCall):
+        time.sleep(0.2)
+        first = call.clean(others(call.rank, 4, (2, 3)), [2, 3], 0)[0]
+        return first, call.clean(others(call.rank, 4), [], 0)[0], call.step(others(call.rank, 4)), call._clean
+
+    def rejoining(call: RollCall):
+        return call.clean(others(call.rank, 4), [], 0)[0], call.step(others(call.rank, 4)), call._clean
+
+    results = run_ranks({0: steady, 1: steady, 2: rejoining, 3: rejoining}, 4)
+    assert results == {0: ([], [], [], 2), 1: ([], [], [], 2), 2: ([], [], 2), 3: ([], [], 2)}, results
