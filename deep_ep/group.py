@@ -333,7 +333,7 @@ def _roll_call_peers(mask: List[int], rank: int) -> List[int]:
 def warn_caller(message: str) -> None:
     """A RuntimeWarning attributed to the first caller outside this package."""
     package = __name__.rsplit(".", 1)[0]
-    frame, level = sys._getframe(1), 1
+    frame, level = sys._getframe(1), 2   # (stacklevel 2: the function that called this one)
     while frame is not None and frame.f_globals.get("__name__", "").startswith(package + "."):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, RuntimeWarning, stacklevel=level)

@@ -1015,6 +1015,26 @@ def test_low_latency_shrink_masks_ranks_that_stop_calling(pool):
     assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
 
 
+def test_nvlink_masking_is_reported_as_a_warning_at_the_callers_line():
+    """The NVLink kernels record a rank they masked in shrink mode in the pinned status words (4 + rank: what
+    they waited for); the next low-latency call's check turns each into one warning, attributed to the
+    caller's code, and clears it."""
+    import numpy as np
+    from types import SimpleNamespace
+    from deep_ep.transport.nvlink import NVLinkTransport
+    words = np.array([0, 0, 0, 0, 0, 4, 0, 5], dtype=np.int32)
+    transport = SimpleNamespace(low_latency=object(), _status_words=words, topology=SimpleNamespace(rank=2),
+                                timeout_ns=3 * 10 ** 9, _check_status=lambda: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        NVLinkTransport.check_low_latency_errors(transport)
+    assert [str(w.message) for w in caught] == [
+        "deep_ep: rank 2 masked rank 1 after waiting more than 3 s for its low-latency dispatch rows (enable_shrink)",
+        "deep_ep: rank 2 masked rank 3 after waiting more than 3 s for its low-latency combine rows (enable_shrink)"]
+    assert all(w.filename == __file__ for w in caught), [w.filename for w in caught]
+    assert not words.any()
+
+
 def test_low_latency_in_deterministic_mode(pool):
     """The 2-rank cases and the pipeline with torch's deterministic algorithms on and new tensors filled with
     NaN / the largest integer (the transport may rely on no value of memory it did not write)."""

@@ -25,7 +25,6 @@ Set DEEP_EP_NVLINK_DIRECT=0 (on every rank) to always use the rings.
 from __future__ import annotations
 
 import os
-import warnings
 import weakref
 import zlib
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
@@ -34,7 +33,7 @@ import torch
 
 from ...checks import disagreement
 from ...config import _round_up
-from ...group import CommTimeoutError, Group, Topology
+from ...group import CommTimeoutError, Group, Topology, warn_caller
 from ..base import DispatchOutput, Transport
 from ..reference import ReferenceTransport, dispatch_fields
 from .launcher import Pointer, Relaunch
@@ -533,8 +532,8 @@ class NVLinkTransport(Transport):
             for peer in masked.tolist():
                 what = STATUS_WHAT.get(int(words[4 + peer]), "a signal")
                 words[4 + peer] = 0
-                warnings.warn(f"deep_ep: rank {self.topology.rank} masked rank {peer} after waiting more than "
-                              f"{self.timeout_ns / 1e9:g} s for {what} (enable_shrink)", RuntimeWarning, stacklevel=3)
+                warn_caller(f"deep_ep: rank {self.topology.rank} masked rank {peer} after waiting more than "
+                            f"{self.timeout_ns / 1e9:g} s for {what} (enable_shrink)")
         if words[2]:
             value = int(words[3])
             words[2] = 0
