@@ -185,10 +185,11 @@ class Buffer:
         broken = self._group.broken
         try:
             self._transport.destroy(wait_for_gpu=not broken)
-            if not broken and self._group.roll_call is not None:
-                self._group.gather_at_destroy(self._mask)
-            elif not broken:
-                self._group.barrier("destroy", unmasked_ranks(self._mask, self.rank))
+            if not broken:
+                if self._group.roll_call is not None:
+                    self._group.gather_at_destroy(self._mask)
+                else:
+                    self._group.barrier("destroy", unmasked_ranks(self._mask, self.rank))
         finally:   # (released even if the barrier times out)
             self._nvl_buffer = self._rdma_buffer = None
             self._checked_handle = (None, {})

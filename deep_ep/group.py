@@ -128,22 +128,22 @@ class Group:
         those that do not arrive within the timeout are marked in `mask`, the same way on every rank that
         arrives, with a warning."""
         if self.roll_call is not None:
-            self._roll_call(what, mask, lambda peers: self.roll_call.step(peers))
+            self._roll_call(what, mask, lambda peers, flags: self.roll_call.step(peers))
 
     def clean_roll_call(self, mask: torch.Tensor) -> None:
         """Shrink mode, the start of `clean_low_latency_buffer`: mask_absent for the clean, which also brings
         every rank's point-to-point tag to the highest one (a rank may have sat out exchanges while masked)."""
-        def attend(peers: List[int]) -> List[int]:
-            masked = [r for r, flag in enumerate(mask.tolist()) if flag]
-            absent, self._tag = self.roll_call.clean(peers, masked, self._tag)
+        def attend(peers: List[int], flags: List[int]) -> List[int]:
+            absent, self._tag = self.roll_call.clean(peers, [r for r, flag in enumerate(flags) if flag], self._tag)
             return absent
         self._roll_call("clean_low_latency_buffer", mask, attend)
 
-    def _roll_call(self, what: str, mask: torch.Tensor, attend: Callable[[List[int]], List[int]]) -> None:
+    def _roll_call(self, what: str, mask: torch.Tensor, attend: Callable[[List[int], List[int]], List[int]]) -> None:
+        """`attend(peers, mask as a list)` takes the roll call and returns the peers declared absent."""
         self._check_not_broken()
-        peers = _roll_call_peers(mask.tolist(), self.rank)
+        flags = mask.tolist()
         try:
-            absent = attend(peers)
+            absent = attend(_roll_call_peers(flags, self.rank), flags)
         except AbsentError as error:
             self._broken = what
             raise CommTimeoutError(f"rank {self.rank}: {what}: {error}; this Buffer cannot be used any more") from None

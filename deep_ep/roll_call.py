@@ -18,7 +18,7 @@ also together with other ranks that sat the same cleans out.
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 ARRIVED = b"arrived"
 ABSENT = b"absent"
@@ -51,7 +51,7 @@ class RollCall:
         self._step += 1
         peers = [peer for peer in peers if peer != self.rank]
         self._arrive(name, 0, 0)
-        absent, _ = self._verdicts(name, peers, self._wait(name, peers))
+        absent, _ = self._verdicts(name, *self._read(name, peers))
         self._forget_previous(peers, absent)
         self._last_key, self._last_peers = self._key(name, self.rank), peers
         return absent
@@ -77,9 +77,7 @@ class RollCall:
         while True:
             name = f"clean/{index}"
             self._arrive(name, number, bits)
-            missing = self._wait(name, peers)
-            present = [peer for peer in peers if peer not in missing]
-            records = dict(zip(present, _get_all(self.store, [self._key(name, peer) for peer in present])))
+            missing, records = self._read(name, peers)
             masks = {peer: _masked(record) for peer, record in records.items() if record != ABSENT}
             # the ranks that hold this clean: those that came and that no one who came has masked (another rank
             # that sat it out and comes back now does not count)
@@ -88,7 +86,7 @@ class RollCall:
                 break
             index += 1   # every rank holding this clean has this rank masked: a clean it sat out
         self._clean, self._step = index, 0
-        absent, numbers = self._verdicts(name, peers, missing)
+        absent, numbers = self._verdicts(name, missing, records)
         return absent, max([number, *numbers])
 
     def gather(self, name: str, peers: Sequence[int]) -> List[int]:
@@ -101,12 +99,17 @@ class RollCall:
         self._forget_previous(peers, missing)
         return missing
 
-    def _verdicts(self, name: str, peers: Sequence[int], missing: List[int]) -> Tuple[List[int], List[int]]:
-        """After the wait at step `name`: (peers declared absent, the numbers of the peers that came). A key that
-        exists may hold another rank's verdict ABSENT (its wait started earlier and ended first)."""
-        peers = [peer for peer in peers if peer != self.rank]
+    def _read(self, name: str, peers: List[int]) -> Tuple[List[int], Dict[int, bytes]]:
+        """Wait at step `name` for `peers` (not this rank); returns the peers still missing at the timeout and
+        the records of the others."""
+        missing = self._wait(name, peers)
         present = [peer for peer in peers if peer not in missing]
-        values = dict(zip(present, _get_all(self.store, [self._key(name, peer) for peer in present])))
+        return missing, dict(zip(present, _get_all(self.store, [self._key(name, peer) for peer in present])))
+
+    def _verdicts(self, name: str, missing: List[int], records: Dict[int, bytes]) -> Tuple[List[int], List[int]]:
+        """After the wait at step `name` (`_read`): (peers declared absent, the numbers of the peers that came). A
+        record may be another rank's verdict ABSENT (its wait started earlier and ended first)."""
+        values = dict(records)
         for peer in missing:
             values[peer] = self.store.compare_set(self._key(name, peer), "", ABSENT)
         absent = sorted(peer for peer, value in values.items() if value == ABSENT)
@@ -118,15 +121,15 @@ class RollCall:
             raise AbsentError(f"rank {self.rank} arrived after the other ranks had waited {self.timeout_s:g} s "
                               "for it and masked it")
 
-    def _wait(self, name: str, peers: Sequence[int]) -> List[int]:
+    def _wait(self, name: str, peers: List[int]) -> List[int]:
         """Poll the peers' keys (one request a poll) until all exist or the timeout expires; returns the peers
         still missing."""
-        keys = [self._key(name, peer) for peer in peers if peer != self.rank]
+        keys = [self._key(name, peer) for peer in peers]
         deadline = time.monotonic() + self.timeout_s
         pause = _FIRST_POLL_S
         while keys and not self.store.check(keys):
             if time.monotonic() > deadline:
-                return [peer for peer in peers if peer != self.rank and not self.store.check([self._key(name, peer)])]
+                return [peer for peer in peers if not self.store.check([self._key(name, peer)])]
             time.sleep(pause)
             pause = min(2 * pause, _LONGEST_POLL_S)
         return []

@@ -1023,8 +1023,8 @@ def test_nvlink_masking_is_reported_as_a_warning_at_the_callers_line():
     from types import SimpleNamespace
     from deep_ep.transport.nvlink import NVLinkTransport
     words = np.array([0, 0, 0, 0, 0, 4, 0, 5], dtype=np.int32)
-    transport = SimpleNamespace(low_latency=object(), _status_words=words, topology=SimpleNamespace(rank=2),
-                                timeout_ns=3 * 10 ** 9, _check_status=lambda: None)
+    transport = SimpleNamespace(low_latency=SimpleNamespace(auto_mask=True), _status_words=words,
+                                topology=SimpleNamespace(rank=2), timeout_ns=3 * 10 ** 9, _check_status=lambda: None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         NVLinkTransport.check_low_latency_errors(transport)

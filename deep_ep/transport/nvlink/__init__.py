@@ -526,8 +526,8 @@ class NVLinkTransport(Transport):
             return
         self._check_status()
         words = self._status_words
-        masked = words[4:].nonzero()[0]
-        if masked.size:
+        masked = words[4:].nonzero()[0] if self.low_latency.auto_mask else ()   # (only shrink mode's waits mask)
+        if len(masked):
             from .sync import STATUS_WHAT
             for peer in masked.tolist():
                 what = STATUS_WHAT.get(int(words[4 + peer]), "a signal")
