@@ -55,8 +55,10 @@ def _time_one(buffer: Buffer, tokens: int, hidden: int, topk: int, experts: int,
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    kernels = {event.key.replace("ll_", "").replace("_kernel", ""): event.device_time_total / event.count
-               for event in prof.key_averages() if event.key.startswith("ll_")}
+    # every kernel of the graph: the transport's by their short names, any other (a torch op) under its own
+    kernels = {(event.key.replace("ll_", "").replace("_kernel", "") if event.key.startswith("ll_")
+                else event.key[:24]): event.device_time_total / event.count
+               for event in prof.key_averages() if event.device_type == torch.autograd.DeviceType.CUDA}
     return (f"{tokens:6d} {statistics.median(times):10.1f}  "
             + "  ".join(f"{name} {value:5.1f}" for name, value in sorted(kernels.items())))
 

@@ -2,15 +2,17 @@
 (the hook) at the tokens' ranks; without a hook and with few tokens, one kernel does both.
 
 Areas of one buffer half, identical in every rank's low-latency buffer (byte offsets from the host):
-  ARRIVED[src]     int64 (signal area, shared with the dispatch): send programs of `src` that finished here
+  ARRIVED[src]     int64 (signal area, shared with the dispatch): arrivals claimed by send programs of `src`
   RECEIVED         int64 (signal area): calls on this half whose receive has finished here
   ROWS[t * K + k]  bf16 [H]: the expert output for this rank's selection (token t, top-k slot k)
 Send (NUM_SENDERS programs over blocks of received rows, all local experts laid end to end): wait until
   RECEIVED of every unmasked rank equals this rank's (as in the dispatch). Row j of local expert e came
   from (source s, token t, slot k), as the dispatch's route table says; store x[e, j] into ROWS[t * K + k]
   of rank s unless s is masked. With LogFMT the row is first rounded to what a LogFMT-10 receiver decodes
-  (deep_ep.fp8.logfmt_roundtrip's rules, computed here); it still travels as bf16. Then every program
-  adds 1 to ARRIVED[me] of every unmasked rank (release, after a barrier over the program's stores).
+  (deep_ep.fp8.logfmt_roundtrip's rules, computed here); it still travels as bf16. Only the programs
+  with rows (at least one program) wait for the half; they finish by adding shares that sum to NUM_SENDERS
+  (sync.send_share) to ARRIVED[me] of every unmasked rank (release, after a barrier over the program's
+  stores).
 Without a hook and without LogFMT (OWN_FROM_X) the send skips the rows of this rank's own tokens, and the
   receive reads them from x itself, where the dispatch's OWN table (after its route entries) says they are:
   the receive runs right after the send, so x is still what the caller passed (with a hook the caller may
@@ -33,7 +35,7 @@ from triton.language.extra.cuda import libdevice
 
 from .intrinsics import to_bf16
 from .sync import (begin_send, claim_arrival, finish_receive, masked_ranks, report_bad_ids, row_pointers,
-                   wait_for_senders)
+                   send_share, wait_for_senders)
 
 WAIT_LL_COMBINE = tl.constexpr(5)
 LOGFMT_CODES = tl.constexpr(510)
@@ -91,9 +93,11 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_
                      mask=(eo[:, None] < experts_per_rank) & (ro[None, :] < R), other=0)
     per_expert = tl.sum((ranges & 0xFFFFFFFF).to(tl.int32), axis=1)
     ends = tl.cumsum(per_expert, axis=0)          # rows of experts 0..e, all experts laid end to end
-    rank_open, free = begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, ro, timeout_ns, status_ptr,
-                                 R, HAS_MASK, AUTO_MASK)
-    total = tl.where(free, tl.sum(per_expert), 0)
+    total = tl.sum(per_expert)
+    senders = tl.maximum(tl.minimum(tl.cdiv(total, ROWS), num_senders), 1)
+    rank_open, free, bases = begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, ro, pid < senders,
+                                        timeout_ns, status_ptr, R, HAS_MASK, AUTO_MASK)
+    total = tl.where(free, total, 0)
     for g0 in range(pid * ROWS, total, num_senders * ROWS):
         g = g0 + po
         live = g < total
@@ -114,7 +118,7 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_
         dest = base + rows_offset + (route - source * (num_max_tokens * K)).to(tl.int64) * (2 * H)
         tl.store(row_pointers(dest, ho, tl.bfloat16, BLOCK_H), values, mask=live[:, None] & (ho[None, :] < H))
     # after a timeout no arrival is claimed: the receivers time out too
-    claim_arrival(bases_ptr, ro, rank_open & free, arrived_offset, rank)
+    claim_arrival(bases, rank_open & free, send_share(senders), arrived_offset, rank)
 
 
 @triton.jit

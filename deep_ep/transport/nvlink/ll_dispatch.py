@@ -3,7 +3,7 @@
 kernel does both.
 
 Areas of one buffer half, identical in every rank's low-latency buffer (byte offsets from the host):
-  ARRIVED[src]         int64 (signal area): send programs of `src` that finished their stores here
+  ARRIVED[src]         int64 (signal area): arrivals claimed by send programs of `src`, NUM_SENDERS per call
   RECEIVED             int64 (signal area): calls on this half whose receive has finished here
   MASKS[e][src][t]     int32: bit k set when token t of rank `src` selected local expert e in top-k slot k
   SLOTS[src][t]        token t of rank `src`: [payload words | scale words], 16-byte aligned
@@ -14,8 +14,9 @@ Send (NUM_SENDERS programs; token t by program t mod NUM_SENDERS): wait until RE
   the token's experts gets one copy), and for every distinct such expert e the token's slot bits into
   MASKS[e][me][t] of rank d. It also writes OWN[t * K + k] = -1 (see the receive) for every slot k that no
   local expert keeps, so that the combine's receive finds every slot's entry defined without reading the ids.
-  Finally every program adds 1 to ARRIVED[me] of every unmasked rank (release, after a barrier over the
-  program's stores).
+  Only the programs with a token (at least one program) wait for the half; they finish by adding shares
+  that sum to NUM_SENDERS (sync.send_share) to ARRIVED[me] of every unmasked rank (release, after a barrier
+  over the program's stores), so a few tokens cost the peers' counters a few atomics, not NUM_SENDERS.
 Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (RECEIVED + 1) for every
   unmasked source s (counters only grow; a half serves dispatches and combines alike). Expand MASKS[e] in
   the order (source, token, slot), the reference order, into output rows: row p of expert e copies
@@ -32,7 +33,7 @@ import triton.language as tl
 
 from .intrinsics import popcount, to_e4m3
 from .sync import (begin_send, claim_arrival, finish_receive, masked_ranks, report_bad_ids, row_pointer,
-                   wait_for_senders)
+                   send_share, wait_for_senders)
 
 FP8_MAX = tl.constexpr(448.0)
 WAIT_LL_DISPATCH = tl.constexpr(4)
@@ -68,6 +69,53 @@ def _quantize(row, H: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, BL
 
 
 @triton.jit
+def _send_token(t, ids, row, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, num_experts, experts_per_rank,
+                num_max_tokens, masks_offset, slots_offset, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
+                FP8: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
+                SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_G: tl.constexpr):
+    """Send token t (its top-k `ids` and `row`, loaded by the caller)."""
+    ko = tl.arange(0, BLOCK_K)
+    ho = tl.arange(0, BLOCK_H)
+    so = tl.arange(0, BLOCK_G)
+    token = tl.cast(t, tl.int64)   # (a cast, not .to: the interpreter's loop counters are ints)
+    in_range = (ids >= 0) & (ids < num_experts)
+    report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
+    owner = tl.where(in_range, ids // experts_per_rank, 0)
+    if HAS_MASK:
+        valid = in_range & (masked_ranks(mask_ptr, owner, in_range) == 0)
+    else:
+        valid = in_range
+    same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
+    earlier = ko[None, :] < ko[:, None]
+    first = valid & (tl.sum((same & earlier).to(tl.int32), axis=1) == 0)
+    same_rank = (owner[:, None] == owner[None, :]) & valid[:, None] & valid[None, :]
+    first_of_rank = valid & (tl.sum((same_rank & earlier).to(tl.int32), axis=1) == 0)
+    slot_bits = tl.sum(tl.where(same, 1 << ko[None, :], 0), axis=1)
+    own_table = route_ptr + experts_per_rank * R * num_max_tokens   # (this rank's receive fills the others)
+    tl.store(own_table + token * K + ko, tl.full([BLOCK_K], -1, tl.int32),
+             mask=(ko < K) & ~(valid & (owner == rank)))
+    if FP8:
+        data, scale_words = _quantize(row, H, ROUND, UE8M0, BLOCK_H)
+    # where each distinct expert's bits and each distinct rank's row go, for all slots at once (no memory
+    # access in the loop below)
+    dest = tl.where(valid, owner, 0)
+    entry = (((ids - dest * experts_per_rank) * R + rank) * num_max_tokens + t).to(tl.int64)
+    bases = tl.load(bases_ptr + dest, mask=valid, other=0)
+    tl.store((bases + masks_offset + entry * 4).to(tl.pointer_type(tl.int32)), slot_bits, mask=first)
+    slots = bases + slots_offset + (rank * num_max_tokens + t).to(tl.int64) * (SLOT_W * 4)
+    for k in tl.static_range(K):
+        pick = ko == k
+        if tl.sum((pick & first_of_rank).to(tl.int32)) > 0:
+            slot = tl.sum(tl.where(pick, slots, 0))
+            if FP8:
+                tl.store(row_pointer(slot, ho, tl.float8e4nv, BLOCK_H), data, mask=ho < H)
+                tl.store((slot + XW * 4).to(tl.pointer_type(tl.int32)) + so, scale_words, mask=so < SW)
+            else:
+                tl.store(row_pointer(slot, ho, tl.bfloat16, BLOCK_H), row, mask=ho < H)
+
+
+@triton.jit
 def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
           experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
           H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
@@ -79,49 +127,26 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr
     ko = tl.arange(0, BLOCK_K)
     ro = tl.arange(0, BLOCK_R)
     ho = tl.arange(0, BLOCK_H)
-    so = tl.arange(0, BLOCK_G)
-    rank_open, free = begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, ro, timeout_ns, status_ptr,
-                                 R, HAS_MASK, AUTO_MASK)
-    for t in range(pid, tl.where(free, num_tokens, 0), num_senders):
-        token = tl.cast(t, tl.int64)   # (a cast, not .to: the interpreter's loop counters are ints)
+    # the first token's ids and row are loaded before the wait for the half, so that their latency overlaps it
+    has_first = pid < num_tokens
+    ids = tl.load(idx_ptr + tl.cast(pid, tl.int64) * K + ko, mask=(ko < K) & has_first, other=-1)
+    row = tl.load(x_ptr + tl.cast(pid, tl.int64) * H + ho, mask=(ho < H) & has_first, other=0.0)
+    senders = tl.maximum(tl.minimum(num_tokens, num_senders), 1)
+    rank_open, free, bases = begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, ro, pid < senders,
+                                        timeout_ns, status_ptr, R, HAS_MASK, AUTO_MASK)
+    if free & has_first:
+        _send_token(pid, ids, row, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, num_experts,
+                    experts_per_rank, num_max_tokens, masks_offset, slots_offset, H, K, R, FP8, ROUND, UE8M0, XW, SW,
+                    SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_G)
+    for t in range(pid + num_senders, tl.where(free, num_tokens, 0), num_senders):
+        token = tl.cast(t, tl.int64)
         ids = tl.load(idx_ptr + token * K + ko, mask=ko < K, other=-1)
-        in_range = (ids >= 0) & (ids < num_experts)
-        report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
-        owner = tl.where(in_range, ids // experts_per_rank, 0)
-        if HAS_MASK:
-            valid = in_range & (masked_ranks(mask_ptr, owner, in_range) == 0)
-        else:
-            valid = in_range
-        same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
-        earlier = ko[None, :] < ko[:, None]
-        first = valid & (tl.sum((same & earlier).to(tl.int32), axis=1) == 0)
-        same_rank = (owner[:, None] == owner[None, :]) & valid[:, None] & valid[None, :]
-        first_of_rank = valid & (tl.sum((same_rank & earlier).to(tl.int32), axis=1) == 0)
-        slot_bits = tl.sum(tl.where(same, 1 << ko[None, :], 0), axis=1)
-        own_table = route_ptr + experts_per_rank * R * num_max_tokens   # (this rank's receive fills the others)
-        tl.store(own_table + token * K + ko, tl.full([BLOCK_K], -1, tl.int32),
-                 mask=(ko < K) & ~(valid & (owner == rank)))
         row = tl.load(x_ptr + token * H + ho, mask=ho < H, other=0.0)
-        if FP8:
-            data, scale_words = _quantize(row, H, ROUND, UE8M0, BLOCK_H)
-        # where each distinct expert's bits and each distinct rank's row go, for all slots at once (no
-        # memory access in the loop below)
-        dest = tl.where(valid, owner, 0)
-        entry = (((ids - dest * experts_per_rank) * R + rank) * num_max_tokens + t).to(tl.int64)
-        bases = tl.load(bases_ptr + dest, mask=valid, other=0)
-        tl.store((bases + masks_offset + entry * 4).to(tl.pointer_type(tl.int32)), slot_bits, mask=first)
-        slots = bases + slots_offset + (rank * num_max_tokens + t).to(tl.int64) * (SLOT_W * 4)
-        for k in tl.static_range(K):
-            pick = ko == k
-            if tl.sum((pick & first_of_rank).to(tl.int32)) > 0:
-                slot = tl.sum(tl.where(pick, slots, 0))
-                if FP8:
-                    tl.store(row_pointer(slot, ho, tl.float8e4nv, BLOCK_H), data, mask=ho < H)
-                    tl.store((slot + XW * 4).to(tl.pointer_type(tl.int32)) + so, scale_words, mask=so < SW)
-                else:
-                    tl.store(row_pointer(slot, ho, tl.bfloat16, BLOCK_H), row, mask=ho < H)
+        _send_token(t, ids, row, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, num_experts,
+                    experts_per_rank, num_max_tokens, masks_offset, slots_offset, H, K, R, FP8, ROUND, UE8M0, XW, SW,
+                    SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_G)
     # after a timeout no arrival is claimed: the receivers time out too
-    claim_arrival(bases_ptr, ro, rank_open & free, arrived_offset, rank)
+    claim_arrival(bases, rank_open & free, send_share(senders), arrived_offset, rank)
 
 
 @triton.jit

@@ -213,22 +213,33 @@ def masked_ranks(mask_ptr, ranks, where):
 
 
 @triton.jit
-def claim_arrival(bases_ptr, lanes, ranks, arrived_offset, rank):
-    """A low-latency send program is done: add 1 to ARRIVED[rank] of every rank in `ranks` (release, after a
-    barrier over every thread's stores: release is cumulative)."""
+def send_share(senders):
+    """How many of the grid's arrivals this send program claims: the first `senders` programs (those with
+    something to send, at least one) claim them all between them, so a receiver always counts NUM_SENDERS
+    (the grid) per source and call, while the programs with nothing to send touch no peer's counters."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    return tl.where(pid < senders, (grid * (pid + 1)) // senders - (grid * pid) // senders, 0)
+
+
+@triton.jit
+def claim_arrival(bases, ranks, share, arrived_offset, rank):
+    """A low-latency send program is done: add its `share` (send_share) to ARRIVED[rank] of every rank in
+    `ranks` (`bases`: their buffer addresses; release, after a barrier over every thread's stores: release
+    is cumulative)."""
     tl.debug_barrier()
-    bases = tl.load(bases_ptr + lanes, mask=ranks, other=0)
-    tl.atomic_add((bases + arrived_offset + rank * 8).to(tl.pointer_type(tl.int64)), 1, mask=ranks,
+    tl.atomic_add((bases + arrived_offset + rank * 8).to(tl.pointer_type(tl.int64)), share, mask=ranks & (share > 0),
                   sem="release", scope="sys")
 
 
 @triton.jit
-def begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, lanes, timeout_ns, status_ptr,
+def begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, lanes, sending, timeout_ns, status_ptr,
                R: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr):
-    """The start of a low-latency send program (the twin of wait_for_senders): the ranks it exchanges with, and
-    whether all of them have freed the buffer half (wait_half_free); if not, it sends nothing and the host
-    reports the timeout (AUTO_MASK: a rank given up on is masked instead). Returns (open ranks, ok)."""
-    ranks = open_ranks(mask_ptr, lanes, R, HAS_MASK)
+    """The start of a low-latency send program (the twin of wait_for_senders): the ranks it exchanges with (none
+    unless `sending`), and whether all of them have freed the buffer half (wait_half_free); if not, it sends
+    nothing and the host reports the timeout (AUTO_MASK: a rank given up on is masked instead). Returns (open
+    ranks, ok, every rank's buffer address where open)."""
+    ranks = open_ranks(mask_ptr, lanes, R, HAS_MASK) & sending
     return wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, status_ptr, mask_ptr,
                           shrink_ptr, AUTO_MASK)
 
@@ -238,13 +249,14 @@ def wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, s
                    AUTO_MASK: tl.constexpr):
     """Before a low-latency send into a buffer half: wait until every rank in `ranks` has received as many
     calls on this half as this rank has (RECEIVED at `received_offset` of each buffer), so nothing it has not
-    read yet is overwritten. Returns (ranks still open, ok) (wait_ranks)."""
+    read yet is overwritten. Returns (ranks still open, ok, bases) (wait_ranks; bases: the buffer addresses of
+    `ranks`)."""
     own = tl.load((tl.load(bases_ptr + rank) + received_offset).to(tl.pointer_type(tl.int64)))
     bases = tl.load(bases_ptr + lanes, mask=ranks, other=0)
     ranks, ok, _ = wait_ranks((bases + received_offset).to(tl.pointer_type(tl.int64)), own, ranks, lanes, timeout_ns,
                               status_ptr, WAIT_LL_FREE, mask_ptr, shrink_ptr, AUTO_MASK)
     tl.debug_barrier()   # every thread's stores into the half come after the acquiring loads
-    return ranks, ok
+    return ranks, ok, bases
 
 
 @triton.jit
