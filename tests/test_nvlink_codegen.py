@@ -97,7 +97,8 @@ def _ll_dispatch_constexprs(fp8: bool) -> Dict[str, object]:
     return dict(H=H, K=K, R=R, FP8=fp8, ROUND=False, UE8M0=False, XW=payload_words, SW=scale_words,
                 SLOT_W=payload_words + scale_words, HAS_MASK=False, AUTO_MASK=False, BLOCK_H=_next_pow2(H), BLOCK_K=K, BLOCK_R=R,
                 BLOCK_G=_next_pow2(H) // 128 if fp8 else 1, HAS_STATS=False, BLOCK_RN=_next_pow2(R * 128),
-                BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=ll.RECV_ROWS)
+                BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=ll.RECV_ROWS,
+                AHEAD=True)
 
 
 @pytest.mark.parametrize("fp8, shrink", [(True, False), (False, False), (True, True)],

@@ -155,7 +155,7 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
              num_max_tokens, num_senders, timeout_ns, K: tl.constexpr, R: tl.constexpr, XW: tl.constexpr,
              SW: tl.constexpr, SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
              HAS_STATS: tl.constexpr, BLOCK_RN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr,
-             BLOCK_S: tl.constexpr, ROWS: tl.constexpr):
+             BLOCK_S: tl.constexpr, ROWS: tl.constexpr, AHEAD: tl.constexpr):
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
     received, ok = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns,
@@ -171,10 +171,19 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
         xo = tl.arange(0, BLOCK_X)
         so = tl.arange(0, BLOCK_S)
         bo = tl.arange(0, 32)
+        if AHEAD:   # a program with several experts loads each table one expert ahead (one load to wait for)
+            next_bits = tl.load(masks_ptr + tl.cast(pid, tl.int64) * RN + jo,
+                                mask=in_table & (pid < experts_per_rank), other=0)
         for e in range(pid, experts_per_rank, tl.num_programs(0)):
             out_base = tl.cast(e, tl.int64) * RN   # (a cast, not .to: the interpreter's loop counters are ints)
             table = masks_ptr + out_base
-            bits = tl.load(table + jo, mask=in_table, other=0)
+            if AHEAD:
+                bits = next_bits
+                after = e + tl.num_programs(0)
+                next_bits = tl.load(masks_ptr + tl.cast(after, tl.int64) * RN + jo,
+                                    mask=in_table & (after < experts_per_rank), other=0)
+            else:
+                bits = tl.load(table + jo, mask=in_table, other=0)
             rows_of = popcount(bits)
             ends = tl.cumsum(rows_of, axis=0)                # rows up to and including entry j
             total = tl.sum(rows_of)
@@ -242,11 +251,11 @@ def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, fin
                             R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr,
                             HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
                             BLOCK_RN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
-                            ROWS: tl.constexpr):
+                            ROWS: tl.constexpr, AHEAD: tl.constexpr):
     _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_RN,
-             BLOCK_R, BLOCK_X, BLOCK_S, ROWS)
+             BLOCK_R, BLOCK_X, BLOCK_S, ROWS, AHEAD)
 
 
 @triton.jit
@@ -260,7 +269,7 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, shrink_ptr, status_p
                        SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
                        HAS_STATS: tl.constexpr, BLOCK_RN: tl.constexpr, BLOCK_X: tl.constexpr,
-                       BLOCK_S: tl.constexpr, ROWS: tl.constexpr):
+                       BLOCK_S: tl.constexpr, ROWS: tl.constexpr, AHEAD: tl.constexpr):
     """Send, then receive, in one launch of NUM_SENDERS programs (every program sends, then waits for every
     source and copies its share of the local experts). The grid fits on the GPU at once, so a program that
     waits never keeps one that has yet to send from starting."""
@@ -270,4 +279,4 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, shrink_ptr, status_p
     _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_RN,
-             BLOCK_R, BLOCK_X, BLOCK_S, ROWS)
+             BLOCK_R, BLOCK_X, BLOCK_S, ROWS, AHEAD)

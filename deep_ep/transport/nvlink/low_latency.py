@@ -198,14 +198,16 @@ class NVLinkLowLatency:
         from .ll_dispatch import ll_dispatch_kernel, ll_dispatch_recv_kernel, ll_dispatch_send_kernel
         receive = dict(receive_only, **_pick(send, _DISPATCH_SHARED))
         small = slots <= RECV_SMALL_TABLE and RECV_ROWS * _next_pow2(payload_words) <= RECV_SMALL_TILE
+        receive_grid = max(1, min(experts_per_rank, RECV_PROGRAMS_PER_SM * self.num_sms))
+        # (AHEAD: a program has several experts, so it loads their tables one ahead)
         return dict(
             send=Relaunch(ll_dispatch_send_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + ("route_ptr",), **send,
                           num_warps=NUM_WARPS),
-            receive=Relaunch(ll_dispatch_recv_kernel,
-                             (max(1, min(experts_per_rank, RECV_PROGRAMS_PER_SM * self.num_sms)),),
-                             _DISPATCH_OUTPUTS, **receive, num_warps=RECV_WARPS if small else NUM_WARPS),
+            receive=Relaunch(ll_dispatch_recv_kernel, (receive_grid,), _DISPATCH_OUTPUTS, **receive,
+                             AHEAD=experts_per_rank > receive_grid, num_warps=RECV_WARPS if small else NUM_WARPS),
             fused=Relaunch(ll_dispatch_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + _DISPATCH_OUTPUTS[1:], **send,
-                           **receive_only, num_warps=NUM_WARPS, launch_cooperative_grid=True)
+                           **receive_only, AHEAD=experts_per_rank > NUM_SENDERS, num_warps=NUM_WARPS,
+                           launch_cooperative_grid=True)
             if self.can_fuse else None,
             x_shape=(experts_per_rank, slots, hidden), scale_shape=(experts_per_rank, scale_words, slots),
             count_shape=(experts_per_rank,), table_shape=(experts_per_rank, slots), range_shape=(experts_per_rank, R),
