@@ -14,6 +14,7 @@ from randomness import base_seed, generator
 from deep_ep.config import low_latency_size_hint
 from deep_ep.group import Topology
 from deep_ep.transport.base import LowLatencyOptions
+from deep_ep.transport.nvlink import low_latency as ll
 from deep_ep.transport.nvlink.low_latency import NVLinkLowLatency
 
 
@@ -124,6 +125,13 @@ if __name__ == "__main__":
     seed = base_seed()   # (the test passes its own as DEEP_EP_TEST_SEED)
     for R, K, masked in ((2, 3, -1), (3, 4, 2), (4, 8, 1)):
         failures += run(R, N=8, H=256, K=K, E=4 * R, rounds=4 if R == 2 else 3, masked=masked, seed=seed)
+    # fewer send programs than tokens (uneven arrival shares), and receive programs with several experts each
+    # (their tables loaded one ahead)
+    senders, ll.NUM_SENDERS = ll.NUM_SENDERS, 3
+    try:
+        failures += run(2, N=8, H=256, K=4, E=16, rounds=2, masked=-1, seed=seed)
+    finally:
+        ll.NUM_SENDERS = senders
     # a rank that never calls: masked by hand, and masked by the others' timeouts
     failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True, seed=seed)
     failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True, automatic=True, seed=seed)

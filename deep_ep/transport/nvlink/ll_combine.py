@@ -5,12 +5,12 @@ Areas of one buffer half, identical in every rank's low-latency buffer (byte off
   ARRIVED[src]     int64 (signal area, shared with the dispatch): arrivals claimed by send programs of `src`
   RECEIVED         int64 (signal area): calls on this half whose receive has finished here
   ROWS[t * K + k]  bf16 [H]: the expert output for this rank's selection (token t, top-k slot k)
-Send (NUM_SENDERS programs over blocks of received rows, all local experts laid end to end): wait until
-  RECEIVED of every unmasked rank equals this rank's (as in the dispatch). Row j of local expert e came
-  from (source s, token t, slot k), as the dispatch's route table says; store x[e, j] into ROWS[t * K + k]
-  of rank s unless s is masked. With LogFMT the row is first rounded to what a LogFMT-10 receiver decodes
-  (deep_ep.fp8.logfmt_roundtrip's rules, computed here); it still travels as bf16. Only the programs
-  with rows (at least one program) wait for the half; they finish by adding shares that sum to NUM_SENDERS
+Send (NUM_SENDERS programs over blocks of received rows, all local experts laid end to end): a program with
+  rows (program 0 also without) waits until RECEIVED of every unmasked rank is at least this rank's (as in
+  the dispatch). Row j of local expert e came from (source s, token t, slot k), as the dispatch's route
+  table says; store x[e, j] into ROWS[t * K + k] of rank s unless s is masked. With LogFMT the row is first
+  rounded to what a LogFMT-10 receiver decodes (deep_ep.fp8.logfmt_roundtrip's rules, computed here); it
+  still travels as bf16. The programs that waited finish by adding shares that sum to NUM_SENDERS
   (sync.send_share) to ARRIVED[me] of every unmasked rank (release, after a barrier over the program's
   stores).
 Without a hook and without LogFMT (OWN_FROM_X) the send skips the rows of this rank's own tokens, and the
@@ -117,7 +117,7 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_
         base = tl.load(bases_ptr + source, mask=live, other=0)
         dest = base + rows_offset + (route - source * (num_max_tokens * K)).to(tl.int64) * (2 * H)
         tl.store(row_pointers(dest, ho, tl.bfloat16, BLOCK_H), values, mask=live[:, None] & (ho[None, :] < H))
-    # after a timeout no arrival is claimed: the receivers time out too
+    # a program whose wait timed out claims no share: the receivers time out too
     claim_arrival(bases, rank_open & free, send_share(senders), arrived_offset, rank)
 
 

@@ -7,15 +7,14 @@ Areas of one buffer half, identical in every rank's low-latency buffer (byte off
   RECEIVED             int64 (signal area): calls on this half whose receive has finished here
   MASKS[e][src][t]     int32: bit k set when token t of rank `src` selected local expert e in top-k slot k
   SLOTS[src][t]        token t of rank `src`: [payload words | scale words], 16-byte aligned
-Send (NUM_SENDERS programs; token t by program t mod NUM_SENDERS): wait until RECEIVED of every unmasked
-  rank equals this rank's (it has read what the previous call on this half left there; the combine waits
-  the same way). Load the row, cast it to e4m3 once if asked, then store it once into SLOTS[me][t] of every
+Send (NUM_SENDERS programs; token t by program t mod NUM_SENDERS): a program with a token (program 0 also
+  without) waits until RECEIVED of every unmasked rank is at least this rank's (it has read what the
+  previous call on this half left there; the combine waits the same way). Load the row, cast it to e4m3 once if asked, then store it once into SLOTS[me][t] of every
   unmasked rank d that holds one of the token's valid experts (not once per expert: a rank with several of
   the token's experts gets one copy), and for every distinct such expert e the token's slot bits into
   MASKS[e][me][t] of rank d. It also writes OWN[t * K + k] = -1 (see the receive) for every slot k that no
   local expert keeps, so that the combine's receive finds every slot's entry defined without reading the ids.
-  Only the programs with a token (at least one program) wait for the half; they finish by adding shares
-  that sum to NUM_SENDERS (sync.send_share) to ARRIVED[me] of every unmasked rank (release, after a barrier
+  The programs that waited finish by adding shares that sum to NUM_SENDERS (sync.send_share) to ARRIVED[me] of every unmasked rank (release, after a barrier
   over the program's stores), so a few tokens cost the peers' counters a few atomics, not NUM_SENDERS.
 Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (RECEIVED + 1) for every
   unmasked source s (counters only grow; a half serves dispatches and combines alike). Expand MASKS[e] in
@@ -145,7 +144,7 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr
         _send_token(t, ids, row, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, num_experts,
                     experts_per_rank, num_max_tokens, masks_offset, slots_offset, H, K, R, FP8, ROUND, UE8M0, XW, SW,
                     SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_G)
-    # after a timeout no arrival is claimed: the receivers time out too
+    # a program whose wait timed out claims no share: the receivers time out too
     claim_arrival(bases, rank_open & free, send_share(senders), arrived_offset, rank)
 
 
@@ -270,9 +269,9 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, shrink_ptr, status_p
                        BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
                        HAS_STATS: tl.constexpr, BLOCK_RN: tl.constexpr, BLOCK_X: tl.constexpr,
                        BLOCK_S: tl.constexpr, ROWS: tl.constexpr, AHEAD: tl.constexpr):
-    """Send, then receive, in one launch of NUM_SENDERS programs (every program sends, then waits for every
-    source and copies its share of the local experts). The grid fits on the GPU at once, so a program that
-    waits never keeps one that has yet to send from starting."""
+    """Send, then receive, in one launch of NUM_SENDERS programs (the programs with a token send it, then every
+    program waits for every source and copies its share of the local experts). The grid fits on the GPU at
+    once, so a program that waits never keeps one that has yet to send from starting."""
     _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
           experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
           H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
