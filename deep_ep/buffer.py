@@ -885,6 +885,8 @@ class Buffer:
             check_tensor(f"{name}[{index}]", tensor, device=self.device, dtype=torch.int32, shape=shape)
         if not isinstance(rows_tensor, torch.Tensor) or rows_tensor.dim() < 1:
             raise ValueError(f"{name} does not hold the received rows")
+        if not topo.is_internode:   # (the NVLink combine reads the source token of every received row)
+            check_tensor(f"{name}[3] (recv_src_idx)", rows_tensor, device=self.device, dtype=torch.int32, dim=1)
         if checked is not handle:
             self._checked_handle = (handle, {})
         result = (is_token_in_rank.shape[0], rows_tensor.shape[0])

@@ -208,6 +208,8 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
         Case("dtype", "combine topk_weights bf16", "normal", TypeError, ["topk_weights"],
              C(topk_weights=recv_topk_weights.bfloat16())),
         Case("dtype", "combine bias float32", "normal", TypeError, ["bias"], C(bias=bias.float())),
+        Case("dtype", "combine handle recv_src_idx int64", "normal", TypeError, ["handle[3]"],
+             C(handle=handle[:3] + (handle[3].long(),) + handle[4:])),
         Case("dtype", "LL dispatch x float32", "ll", TypeError, ["x"], LD(x=x.float())),
         Case("dtype", "LL dispatch topk_idx int32", "ll", TypeError, ["topk_idx"], LD(topk_idx=i32(topk_idx))),
         Case("dtype", "LL dispatch cumulative stats int64", "ll", TypeError, ["cumulative_local_expert_recv_stats"],
