@@ -4,7 +4,7 @@
 # Triton are used); run from the repository root.
 # Usage: bash benchmarks/gpu_run.sh [seconds for the tests, default 500] [parts, default "bench normal ll other"]
 #   bench: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py, DEEP_EP_LL_OWN_FROM_X=1 and 0
-#          alternated); normal mode at 24, 16 and 8 SMs and low-latency mode, the latter with either setting too
+#          alternated) and their synchronisation steps (benchmarks/ll_fixed_costs.py); normal mode at 24, 16 and 8 SMs and low-latency mode, the latter with either setting too
 #          (2 GPUs); on one GPU a short low-latency run with both ranks on it, which checks the benchmark's code
 #          paths (its times say nothing of NVLink)
 #   normal: tests/test_nvlink.py and test_nvlink_launch.py (and the comparisons again with the rings only); ll: the
@@ -46,6 +46,8 @@ if has bench; then
         DEEP_EP_LL_OWN_FROM_X=$own_from_x timeout "$limit" python3 benchmarks/ll_kernel_times.py --replays 100 \
             >> "$out/bench.txt" 2>&1 || bench_status=$?
     done
+    echo "=== low-latency synchronisation steps, one rank" >> "$out/bench.txt"
+    timeout "$limit" python3 benchmarks/ll_fixed_costs.py >> "$out/bench.txt" 2>&1 || bench_status=$?
     if [ "$gpus" -lt 2 ]; then
         echo "one GPU: the benchmark as a smoke test only (both ranks on this GPU)"
         bench "low-latency, both ranks on one GPU" --mode low-latency --warmup 2 --iters 5
