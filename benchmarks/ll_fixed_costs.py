@@ -96,7 +96,8 @@ def measure(last: int, programs: int = 128, warps: int = 8, experts: int = 288, 
     after = (stamps[:, 1:6] - stamps[:, 0].min()).float().cpu() / 1000
     ended = "  ".join(f"{STEPS[i]} {after[:, i].median():4.2f}/{after[:, i].max():4.2f}"
                       for i in range(last) if send or i >= 2)
-    return f"step {last}, {programs} x {warps} warps{'' if send else ', receive only'}: kernel {kernel[0]:5.2f}  {ended}"
+    shape = f"{programs} x {warps} warps{'' if send else ', receive only'}"
+    return f"step {last}, {shape}: kernel {kernel[0]:5.2f}  {ended}"
 
 
 def main() -> None:

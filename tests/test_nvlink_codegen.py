@@ -71,8 +71,8 @@ def _expect_16_byte_rows(counts: Counter, tile_bytes: int, num_warps: int, loads
         assert counts["ld", 2] == 0 and counts["st", 2] == 0, counts
 
 
-LL_COMBINE = dict(H=H, K=K, R=R, HAS_MASK=False, AUTO_MASK=False, LOGFMT=False, BLOCK_H=_next_pow2(H), BLOCK_E=256, BLOCK_R=R,
-                  ROWS=ll.COMBINE_SEND_ROWS, HAS_STATS=False, BLOCK_K=K,
+LL_COMBINE = dict(H=H, K=K, R=R, HAS_MASK=False, AUTO_MASK=False, LOGFMT=False, BLOCK_H=_next_pow2(H), BLOCK_E=256,
+                  BLOCK_R=R, ROWS=ll.COMBINE_SEND_ROWS, HAS_STATS=False, BLOCK_K=K,
                   CHUNK=min(_next_pow2(H), max(128, ll.COMBINE_TILE // K)))
 LL_STRIDES = ("x_expert_stride", "x_row_stride", "num_max_tokens")
 
@@ -95,8 +95,8 @@ def test_low_latency_combine_send_moves_rows_in_16_bytes(own_from_x):
 def _ll_dispatch_constexprs(fp8: bool) -> Dict[str, object]:
     payload_words, scale_words = (H // 4, H // 128) if fp8 else (H // 2, 0)
     return dict(H=H, K=K, R=R, FP8=fp8, ROUND=False, UE8M0=False, XW=payload_words, SW=scale_words,
-                SLOT_W=payload_words + scale_words, HAS_MASK=False, AUTO_MASK=False, BLOCK_H=_next_pow2(H), BLOCK_K=K, BLOCK_R=R,
-                BLOCK_G=_next_pow2(H) // 128 if fp8 else 1, HAS_STATS=False, BLOCK_RN=_next_pow2(R * 128),
+                SLOT_W=payload_words + scale_words, HAS_MASK=False, AUTO_MASK=False, BLOCK_H=_next_pow2(H), BLOCK_K=K,
+                BLOCK_R=R, BLOCK_G=_next_pow2(H) // 128 if fp8 else 1, HAS_STATS=False, BLOCK_RN=_next_pow2(R * 128),
                 BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=ll.RECV_ROWS,
                 AHEAD=True)
 

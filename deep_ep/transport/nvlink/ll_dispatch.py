@@ -9,13 +9,15 @@ Areas of one buffer half, identical in every rank's low-latency buffer (byte off
   SLOTS[src][t]        token t of rank `src`: [payload words | scale words], 16-byte aligned
 Send (NUM_SENDERS programs; token t by program t mod NUM_SENDERS): a program with a token (program 0 also
   without) waits until RECEIVED of every unmasked rank is at least this rank's (it has read what the
-  previous call on this half left there; the combine waits the same way). Load the row, cast it to e4m3 once if asked, then store it once into SLOTS[me][t] of every
-  unmasked rank d that holds one of the token's valid experts (not once per expert: a rank with several of
-  the token's experts gets one copy), and for every distinct such expert e the token's slot bits into
-  MASKS[e][me][t] of rank d. It also writes OWN[t * K + k] = -1 (see the receive) for every slot k that no
-  local expert keeps, so that the combine's receive finds every slot's entry defined without reading the ids.
-  The programs that waited finish by adding shares that sum to NUM_SENDERS (sync.send_share) to ARRIVED[me] of every unmasked rank (release, after a barrier
-  over the program's stores), so a few tokens cost the peers' counters a few atomics, not NUM_SENDERS.
+  previous call on this half left there; the combine waits the same way). Load the row, cast it to e4m3
+  once if asked, then store it once into SLOTS[me][t] of every unmasked rank d that holds one of the token's
+  valid experts (not once per expert: a rank with several of the token's experts gets one copy), and for
+  every distinct such expert e the token's slot bits into MASKS[e][me][t] of rank d. It also writes
+  OWN[t * K + k] = -1 (see the receive) for every slot k that no local expert keeps, so that the combine's
+  receive finds every slot's entry defined without reading the ids. The programs that waited finish by
+  adding shares that sum to NUM_SENDERS (sync.send_share) to ARRIVED[me] of every unmasked rank (release,
+  after a barrier over the program's stores), so a few tokens cost the peers' counters a few atomics, not
+  NUM_SENDERS.
 Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (RECEIVED + 1) for every
   unmasked source s (counters only grow; a half serves dispatches and combines alike). Expand MASKS[e] in
   the order (source, token, slot), the reference order, into output rows: row p of expert e copies
