@@ -128,20 +128,24 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr
     ko = tl.arange(0, BLOCK_K)
     ro = tl.arange(0, BLOCK_R)
     ho = tl.arange(0, BLOCK_H)
-    # each token's ids and row are loaded one token ahead, the first before the wait for the half, so that
-    # their latency overlaps it
-    ids = tl.load(idx_ptr + tl.cast(pid, tl.int64) * K + ko, mask=(ko < K) & (pid < num_tokens), other=-1)
-    row = tl.load(x_ptr + tl.cast(pid, tl.int64) * H + ho, mask=(ho < H) & (pid < num_tokens), other=0.0)
+    # the first token's ids and row are loaded before the wait for the half, so that their latency overlaps it
+    has_first = pid < num_tokens
+    ids = tl.load(idx_ptr + tl.cast(pid, tl.int64) * K + ko, mask=(ko < K) & has_first, other=-1)
+    row = tl.load(x_ptr + tl.cast(pid, tl.int64) * H + ho, mask=(ho < H) & has_first, other=0.0)
     senders = tl.maximum(tl.minimum(num_tokens, num_senders), 1)
     rank_open, free, bases = begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, ro, pid < senders,
                                         timeout_ns, status_ptr, R, HAS_MASK, AUTO_MASK)
-    for t in range(pid, tl.where(free, num_tokens, 0), num_senders):
-        _send_token(t, ids, row, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, num_experts, experts_per_rank,
-                    num_max_tokens, masks_offset, slots_offset, H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK,
-                    BLOCK_H, BLOCK_K, BLOCK_G)
-        after = tl.cast(t + num_senders, tl.int64)   # (a cast, not .to: the interpreter's loop counters are ints)
-        ids = tl.load(idx_ptr + after * K + ko, mask=(ko < K) & (after < num_tokens), other=-1)
-        row = tl.load(x_ptr + after * H + ho, mask=(ho < H) & (after < num_tokens), other=0.0)
+    if free & has_first:
+        _send_token(pid, ids, row, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, num_experts,
+                    experts_per_rank, num_max_tokens, masks_offset, slots_offset, H, K, R, FP8, ROUND, UE8M0, XW, SW,
+                    SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_G)
+    for t in range(pid + num_senders, tl.where(free, num_tokens, 0), num_senders):
+        token = tl.cast(t, tl.int64)
+        ids = tl.load(idx_ptr + token * K + ko, mask=ko < K, other=-1)
+        row = tl.load(x_ptr + token * H + ho, mask=ho < H, other=0.0)
+        _send_token(t, ids, row, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, num_experts,
+                    experts_per_rank, num_max_tokens, masks_offset, slots_offset, H, K, R, FP8, ROUND, UE8M0, XW, SW,
+                    SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_G)
     # a program whose wait timed out claims no share: the receivers time out too
     claim_arrival(bases, rank_open & free, send_share(senders), arrived_offset, rank)
 
