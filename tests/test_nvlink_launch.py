@@ -192,6 +192,24 @@ def test_relaunch_without_the_cache_goes_through_triton(recorder, monkeypatch):
     assert len(recorder.triton_calls) == 3 and not recorder.runs
 
 
+def test_a_kernel_triton_cannot_compile_is_named_with_the_way_around_it(recorder, monkeypatch):
+    src = torch.zeros(8, dtype=torch.int32)
+    failures = [RuntimeError("PassManager::run failed"), TypeError("missing a required argument: 'num'")]
+
+    def call(*args, **kwargs):
+        raise failures[0]
+    monkeypatch.setattr(_Recorder, "__getitem__", lambda self, grid: call)   # Triton's path fails
+    expected = (r"Triton \S+ could not compile or launch the NVLink transport's kernel .*"
+                r"\(RuntimeError: PassManager::run failed\); transport='reference'")
+    with pytest.raises(RuntimeError, match=expected) as info:
+        launcher.launch(recorder, (1,), src, src, 8, 1, 0, BLOCK=8, NEGATE=False)
+    assert info.value.__cause__ is failures[0]
+    failures.pop(0)   # arguments that do not bind: Triton's own error, unchanged
+    with pytest.raises(TypeError, match="missing a required argument"):
+        launcher.Relaunch(recorder, (1,), ("src_ptr",), dst_ptr=src, num=8, scale=1, offset=0, BLOCK=8,
+                          NEGATE=False)(src)
+
+
 def test_relaunch_runs_under_tritons_interpreter(tmp_path):
     """A kernel of Triton's interpreter (no `params`) relaunched on CPU tensors: Triton's own path, correct
     results."""

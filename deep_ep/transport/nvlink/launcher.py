@@ -135,7 +135,7 @@ def _launch(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[
         if INTERPRETED:   # (Triton's interpreter takes tensors, not raw pointers)
             args = tuple(a.as_tensor() if isinstance(a, Pointer) else a for a in args)
             kwargs = {k: v.as_tensor() if isinstance(v, Pointer) else v for k, v in kwargs.items()}
-        fn[grid](*args, **kwargs)   # (missing values: Triton's path fills in defaults or says what is wrong)
+        _through_triton(fn, grid, args, kwargs)   # (missing values: Triton fills in defaults or says what is wrong)
         return None
     device = torch.cuda.current_device()
     key: List[Any] = [id(fn), device, *options.items()]
@@ -155,21 +155,36 @@ def _launch(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[
         elif kind in _PLAIN:
             append(kind)
         else:   # anything else (tuples, int subclasses, tensor subclasses, ...) is Triton's to specialise
-            fn[grid](*args, **kwargs)
+            _through_triton(fn, grid, args, kwargs)
             return None
     key_tuple = tuple(key)
     try:
         kernel = _compiled.get(key_tuple)
     except TypeError:   # an unhashable constexpr: Triton's path
-        fn[grid](*args, **kwargs)
+        _through_triton(fn, grid, args, kwargs)
         return None
     if kernel is None:
-        kernel = _compiled[key_tuple] = fn[grid](*args, **kwargs)
+        kernel = _compiled[key_tuple] = _through_triton(fn, grid, args, kwargs)
         return kernel
     grid = tuple(grid) + (1, 1)
     stream = torch._C._cuda_getCurrentRawStream(device)
     kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *values)
     return kernel
+
+
+def _through_triton(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """`fn[grid](*args, **kwargs)`: Triton's own launch, which compiles the kernel on its first use. A failure
+    other than arguments that do not bind is raised again naming the kernel, Triton's version and the
+    transport that needs no kernels (a Triton version can fail to compile a kernel that others compile)."""
+    try:
+        return fn[grid](*args, **kwargs)
+    except TypeError:   # (Triton's message says which argument)
+        raise
+    except Exception as error:
+        detail = (str(error).strip().splitlines() or [""])[0]
+        raise RuntimeError(f"deep_ep: Triton {triton.__version__} could not compile or launch the NVLink transport's "
+                           f"kernel {_name(fn)} ({type(error).__name__}: {detail}); transport='reference' (or "
+                           "DEEP_EP_TRANSPORT=reference) runs without these kernels") from error
 
 
 class Relaunch:
