@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from typing import Optional
 
 import torch
@@ -13,6 +14,7 @@ from .reference import ReferenceTransport
 
 TRANSPORTS = ("auto", "reference", "nvlink")
 ENV_TRANSPORT = "DEEP_EP_TRANSPORT"
+OLDEST_TRITON = (3, 6)   # the oldest Triton the NVLink kernels are tested with
 
 
 def transport_name(requested: Optional[str]) -> str:
@@ -35,8 +37,8 @@ def select_transport(name: str, group: Group, topology: Topology, device: torch.
     fits = nvlink_fits(group, topology, device, num_nvl_bytes + num_low_latency_bytes)
     if name == "nvlink" and not fits:
         raise ValueError("transport='nvlink' needs every rank on one node, on CUDA devices with peer access "
-                         "and native atomics to each other (NVLink), Triton installed, and num_nvl_bytes > 0 (or a "
-                         "low-latency buffer)")
+                         "and native atomics to each other (NVLink), Triton >= 3.6 installed, and num_nvl_bytes > 0 "
+                         "(or a low-latency buffer)")
     if fits:
         from .nvlink import NVLinkTransport
         return NVLinkTransport(group, topology, device, num_nvl_bytes, num_low_latency_bytes, timeout_s)
@@ -46,11 +48,22 @@ def select_transport(name: str, group: Group, topology: Topology, device: torch.
 def nvlink_fits(group: Group, topology: Topology, device: torch.device, num_bytes: int) -> bool:
     """Collective: every rank must agree, so the answer is the AND over the group."""
     usable = (device.type == "cuda" and not topology.is_internode and num_bytes > 0
-              and importlib.util.find_spec("triton") is not None)
+              and triton_supported())
     devices = group.gather_ints(device.index if usable else -1, "NVLink transport check")
     if any(d < 0 for d in devices):
         return False
     return all(_peer_kernels_work(a, b) for a in set(devices) for b in set(devices))
+
+
+def triton_supported(version: Optional[str] = None) -> bool:
+    """Whether Triton is installed (or `version` names a release) at least as new as OLDEST_TRITON."""
+    if version is None:
+        if importlib.util.find_spec("triton") is None:
+            return False
+        import triton
+        version = triton.__version__
+    numbers = re.match(r"(\d+)\.(\d+)", version)
+    return numbers is not None and (int(numbers[1]), int(numbers[2])) >= OLDEST_TRITON
 
 
 def _peer_kernels_work(a: int, b: int) -> bool:
