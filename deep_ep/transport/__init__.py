@@ -60,7 +60,10 @@ def triton_supported(version: Optional[str] = None) -> bool:
     if version is None:
         if importlib.util.find_spec("triton") is None:
             return False
-        import triton
+        try:
+            import triton
+        except ImportError:   # (installed but broken, e.g. without its compiler backend)
+            return False
         version = triton.__version__
     numbers = re.match(r"(\d+)\.(\d+)", version)
     return numbers is not None and (int(numbers[1]), int(numbers[2])) >= OLDEST_TRITON
