@@ -153,9 +153,6 @@ def test_a_failed_collective_is_a_timeout_only_when_it_timed_out(message, timed_
     assert group.broken   # the ranks may be out of step either way
 
 
-# ---------------------------------------------------------------------------------------------------
-# 2. Config (spec 1.5)
-# ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("version, supported", [("3.5.1", False), ("3.6.0", True), ("3.10.0+git1a2b3c", True),
                                                 ("4.0", True), ("2.9.9", False), ("unknown", False)])
 def test_auto_transport_needs_a_tested_triton(version, supported):
@@ -163,6 +160,9 @@ def test_auto_transport_needs_a_tested_triton(version, supported):
     assert triton_supported(version) is supported
 
 
+# ---------------------------------------------------------------------------------------------------
+# 2. Config (spec 1.5)
+# ---------------------------------------------------------------------------------------------------
 def test_config_constructor_positional_and_keyword():
     params = list(inspect.signature(Config).parameters.values())
     assert [(p.name, p.default) for p in params[:5]] == [

@@ -1,7 +1,6 @@
 """Data paths of the Buffer and how one is chosen."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from typing import Optional
@@ -58,11 +57,9 @@ def nvlink_fits(group: Group, topology: Topology, device: torch.device, num_byte
 def triton_supported(version: Optional[str] = None) -> bool:
     """Whether Triton is installed (or `version` names a release) at least as new as OLDEST_TRITON."""
     if version is None:
-        if importlib.util.find_spec("triton") is None:
-            return False
         try:
             import triton
-        except ImportError:   # (installed but broken, e.g. without its compiler backend)
+        except ImportError:   # (absent, or installed but broken)
             return False
         version = triton.__version__
     numbers = re.match(r"(\d+)\.(\d+)", version)

@@ -129,6 +129,8 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr
     ro = tl.arange(0, BLOCK_R)
     ho = tl.arange(0, BLOCK_H)
     # the first token's ids and row are loaded before the wait for the half, so that their latency overlaps it
+    # (and its send peeled from the loop: carrying the next token's ids through the loop instead does not compile
+    # with Triton 3.6 at top-32)
     has_first = pid < num_tokens
     ids = tl.load(idx_ptr + tl.cast(pid, tl.int64) * K + ko, mask=(ko < K) & has_first, other=-1)
     row = tl.load(x_ptr + tl.cast(pid, tl.int64) * H + ho, mask=(ho < H) & has_first, other=0.0)
