@@ -3,7 +3,8 @@
 A row pointer that loses its alignment or contiguity hints still gives correct results, but the kernel
 then moves rows in 2- or 4-byte pieces, several times slower; only the benchmark on the GPU machine would
 show it. Each case compiles a kernel as the transport launches it (pointers 16-byte aligned, the shape's
-block sizes and warps) and counts its global loads and stores by width.
+block sizes and warps) and counts its global loads and stores by width. The counters that other programs
+change while a kernel runs are read with atomics or volatile loads, never plain (cacheable) loads.
 """
 import re
 from collections import Counter
@@ -14,6 +15,7 @@ import pytest
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
 
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -21,6 +23,7 @@ from deep_ep.transport.nvlink import (COMBINE_TILE, DISPATCH_TILE, NUM_WARPS, _c
                                       _next_pow2, _rows_per_step)
 from deep_ep.transport.nvlink import combine, direct, dispatch, ll_combine, ll_dispatch  # noqa: E402
 from deep_ep.transport.nvlink import low_latency as ll  # noqa: E402
+from deep_ep.transport.nvlink import sync  # noqa: E402
 
 H = 7168    # DeepSeek's hidden size
 K = 8
@@ -32,9 +35,9 @@ POINTERS = {"x_ptr": "*bf16", "rows_ptr": "*bf16", "out_ptr": "*bf16", "bias0_pt
             "finished_ptr": "*i64", "stats_ptr": "*i64", "layout_ptr": "*i64"}   # others: *i32
 
 
-def _accesses(kernel, num_warps: int, constexprs: Dict[str, object], divisible: Iterable[str] = (),
-              pointers: Optional[Dict[str, str]] = None, fp_fusion: bool = True) -> Counter:
-    """Global loads and stores of `kernel` compiled for sm_90, counted by (kind, bytes per access)."""
+def _ptx(kernel, num_warps: int, constexprs: Dict[str, object], divisible: Iterable[str] = (),
+         pointers: Optional[Dict[str, str]] = None, fp_fusion: bool = True) -> str:
+    """`kernel` compiled for sm_90, as the transport launches it: its PTX."""
     pointers = dict(POINTERS, **(pointers or {}))
     signature, values, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
@@ -51,8 +54,14 @@ def _accesses(kernel, num_warps: int, constexprs: Dict[str, object], divisible: 
                 attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(kernel, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, enable_fp_fusion=fp_fusion))
+    return compiled.asm["ptx"]
+
+
+def _accesses(kernel, num_warps: int, constexprs: Dict[str, object], divisible: Iterable[str] = (),
+              pointers: Optional[Dict[str, str]] = None, fp_fusion: bool = True) -> Counter:
+    """Global loads and stores of `kernel` compiled for sm_90, counted by (kind, bytes per access)."""
     counts: Counter = Counter()
-    for kind, vector, bits in ACCESS.findall(compiled.asm["ptx"]):
+    for kind, vector, bits in ACCESS.findall(_ptx(kernel, num_warps, constexprs, divisible, pointers, fp_fusion)):
         counts[kind, int(vector or 1) * int(bits) // 8] += 1
     return counts
 
@@ -163,3 +172,18 @@ def test_low_latency_fused_dispatch_moves_rows_in_16_bytes():
     constexprs = _ll_dispatch_constexprs(True)
     counts = _accesses(ll_dispatch.ll_dispatch_kernel, ll.NUM_WARPS, constexprs, ("num_max_tokens",))
     _expect_16_byte_rows(counts, ll.RECV_ROWS * constexprs["BLOCK_X"] * 4, ll.NUM_WARPS)
+
+
+@triton.jit
+def _receive_start(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr, num_senders, timeout_ns,
+                   R: tl.constexpr, AUTO_MASK: tl.constexpr, BLOCK_R: tl.constexpr):
+    sync.wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns,
+                          status_ptr, 4, R, True, AUTO_MASK, True, BLOCK_R)
+
+
+@pytest.mark.parametrize("auto_mask", [False, True])
+def test_low_latency_receive_wait_reads_no_counter_with_a_plain_load(auto_mask):
+    """RECEIVED, ARRIVED, the masks and the status change while the receive waits: a plain load may return a
+    stale value cached in L1 (a stale RECEIVED let a receive on the GPU pass its wait a call early)."""
+    loads = re.findall(r"\bld\.global[.a-z0-9]*", _ptx(_receive_start, 4, dict(R=8, AUTO_MASK=auto_mask, BLOCK_R=8)))
+    assert not [load for load in loads if not re.search(r"\.(acquire|relaxed|volatile)\b", load)], loads

@@ -177,6 +177,14 @@ def report_bad_ids(status_ptr, bad, ids):
 
 
 @triton.jit
+def calls_received(received_ptr):
+    """RECEIVED of a low-latency half (the calls it has received), read with an acquire atomic: a plain load
+    may be served from this SM's L1, which is not coherent with the atomics that change RECEIVED (a plain read
+    of it was seen stale on the GPU, in a variant where receive programs add to it without an acquire)."""
+    return tl.atomic_add(received_ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
 def wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns, status_ptr,
                      code, R: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
                      HAS_STATS: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -186,7 +194,7 @@ def wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr,
     Returns (RECEIVED, ok), after a barrier (every thread's later reads follow the wait; they read the mask
     again, with masked_ranks)."""
     lanes = tl.arange(0, BLOCK_R)
-    received = tl.load(received_ptr)
+    received = calls_received(received_ptr)
     sources = open_ranks(mask_ptr, lanes, R, HAS_MASK)
     _, ok, waited = wait_ranks(arrived_ptr + lanes, (received + 1) * num_senders, sources, lanes, timeout_ns,
                                status_ptr, code, mask_ptr, shrink_ptr, AUTO_MASK)
@@ -251,7 +259,7 @@ def wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, s
     calls on this half as this rank has (RECEIVED at `received_offset` of each buffer), so nothing it has not
     read yet is overwritten. Returns (ranks still open, ok, bases) (wait_ranks; bases: the buffer addresses of
     `ranks`)."""
-    own = tl.load((tl.load(bases_ptr + rank) + received_offset).to(tl.pointer_type(tl.int64)))
+    own = calls_received((tl.load(bases_ptr + rank) + received_offset).to(tl.pointer_type(tl.int64)))
     bases = tl.load(bases_ptr + lanes, mask=ranks, other=0)
     ranks, ok, _ = wait_ranks((bases + received_offset).to(tl.pointer_type(tl.int64)), own, ranks, lanes, timeout_ns,
                               status_ptr, WAIT_LL_FREE, mask_ptr, shrink_ptr, AUTO_MASK)
