@@ -183,7 +183,7 @@ def _receive_start(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, s
 
 @pytest.mark.parametrize("auto_mask", [False, True])
 def test_low_latency_receive_wait_reads_no_counter_with_a_plain_load(auto_mask):
-    """RECEIVED, ARRIVED, the masks and the status change while the receive waits: a plain load may return a
-    stale value cached in L1 (a stale RECEIVED let a receive on the GPU pass its wait a call early)."""
+    """RECEIVED, ARRIVED, the masks and the status change while kernels run: a plain load may be served from
+    L1 (with a plain read of RECEIVED, a receive on the GPU once passed its wait a call early)."""
     loads = re.findall(r"\bld\.global[.a-z0-9]*", _ptx(_receive_start, 4, dict(R=8, AUTO_MASK=auto_mask, BLOCK_R=8)))
     assert not [load for load in loads if not re.search(r"\.(acquire|relaxed|volatile)\b", load)], loads
