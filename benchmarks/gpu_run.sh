@@ -12,6 +12,8 @@
 #   DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0, part of ll on 2 GPUs; ll-other: the rest; on one GPU they run one
 #   after the other, so there a call of at most 10 minutes takes one of them);
 #   other: the rest of the suite
+#   shrink: the automatic-masking test of tests/test_low_latency.py five times, each with a fresh seed (its
+#           timing differs from run to run)
 #   deepep: DeepEP's own V1 test scripts against this package (benchmarks/deepep_tests.py; a copy of DeepEP's V1
 #           tests folder in _deepep_tests/), after the benchmark and before the tests: test_intranode and
 #           test_low_latency at 2 ranks (2 GPUs), test_low_latency --shrink-test at 8 ranks sharing the GPUs
@@ -117,6 +119,9 @@ else
     if has ll-other; then ll_other & fi
 fi
 if has ll-variants; then ll_variants & fi
+if has shrink; then   # automatic masking (5 ranks, three stop calling) again and again, each run a fresh seed
+    (for i in 1 2 3 4 5; do run_tests "tests_shrink_$i" tests/test_low_latency.py -k stop_calling; done) &
+fi
 if has other; then
     run_tests tests_other tests --ignore=tests/test_nvlink.py --ignore=tests/test_nvlink_launch.py \
         --ignore=tests/test_nvlink_low_latency.py --ignore=tests/test_low_latency.py &
@@ -131,6 +136,11 @@ for log in tests_nvlink_sweep tests_nvlink_rings tests_nvlink_model tests_nvlink
         | grep -v "^tests/test_[a-z_]*.py::.* PASSED" | tail -n 12
     echo "PASSED: $(grep -c ' PASSED' "$out/$log.log")"
 done
+shrink_runs=$(ls "$out"/tests_shrink_*.log 2>/dev/null | wc -l)
+if [ "$shrink_runs" -gt 0 ]; then
+    echo "--- tests_shrink: $(grep -l ' PASSED' "$out"/tests_shrink_*.log | wc -l) of $shrink_runs runs passed"
+    grep -h -E "^E .*seed=|^FAILED" "$out"/tests_shrink_*.log | cut -c1-240 | head -n 6
+fi
 for log in "$out"/deepep_*.log; do
     [ -f "$log" ] || continue
     echo "--- $(basename "$log" .log)"
