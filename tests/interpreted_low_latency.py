@@ -120,6 +120,42 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent
     return errors
 
 
+def run_unwritten_route(seed: int = 0) -> List[str]:
+    """A combine whose route holds entries the dispatch did not write (negative ones here) stores no row for
+    them: nothing in the peers' areas changes but the combine half's counters and ROWS."""
+    R, N, H, K, E = 2, 8, 256, 4, 8
+    gen = generator(seed, "interpreted low-latency, unwritten route")
+    ranks = make_ranks(R, N, H, E)
+    sources = make_sources(gen, R, N, H, K, E)
+    outs, steps = [], []
+    for r in range(R):
+        out, step = ranks[r].dispatch(sources[r].x, sources[r].topk_idx, N, E, MODES[0], None, None, 0, True)
+        outs.append(out)
+        steps.append(step)
+    for step in steps:
+        step()
+    full = int(outs[0].recv_count.argmax())   # an expert of rank 0 with rows: their route entries go negative
+    route = ranks[0]._routes[id(outs[0].src_info)][0]
+    route[full * R * N:full * R * N + int(outs[0].recv_count[full])] = -5
+    geometry = ll._Geometry(R, N, H, E, 1)
+    kept = torch.ones(ranks[0].area.numel(), dtype=torch.bool)   # bytes the combine must leave alone
+    kept[geometry.signal:geometry.signal + 8 * R + 8] = False
+    kept[geometry.data:geometry.data + N * K * H * 2] = False
+    before = [rank.area[kept].clone() for rank in ranks]
+    expert_outputs = [torch.randn(E // R, R * N, H, generator=gen).to(torch.bfloat16) for _ in range(R)]
+    steps = [ranks[r].combine(expert_outputs[r], sources[r].topk_idx, sources[r].topk_weights, outs[r].src_info,
+                              outs[r].layout_range, N, False, None,
+                              torch.empty(sources[r].x.shape[0], H, dtype=torch.bfloat16), None, 1, True)
+             for r in range(R)]
+    for step in steps:
+        step()
+    errors: List[str] = []
+    for r in range(R):
+        check(errors, f"unwritten route: rank {r}'s area outside the counters and ROWS", ranks[r].area[kept],
+              before[r])
+    return errors
+
+
 if __name__ == "__main__":
     failures: List[str] = []
     seed = base_seed()   # (the test passes its own as DEEP_EP_TEST_SEED)
@@ -135,5 +171,6 @@ if __name__ == "__main__":
     # a rank that never calls: masked by hand, and masked by the others' timeouts
     failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True, seed=seed)
     failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True, automatic=True, seed=seed)
+    failures += run_unwritten_route(seed)
     print("ok" if not failures else "\n".join(failures[:20]), flush=True)
     sys.exit(1 if failures else 0)

@@ -104,8 +104,8 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_
         expert = tl.sum((ends[None, :] <= g[:, None]).to(tl.int32), axis=1)
         row = g - tl.max(tl.where(ends[None, :] <= g[:, None], ends[None, :], 0), axis=1)
         route = tl.load(route_ptr + expert.to(tl.int64) * RN + row, mask=live, other=0)
-        source = route // (num_max_tokens * K)
-        live = live & (source >= 0) & (source < R)   # never store through a route the dispatch did not write
+        source = route // (num_max_tokens * K)   # (a negative route truncates to source 0: tested as a route)
+        live = live & (route >= 0) & (source < R)   # never store through a route the dispatch did not write
         if OWN_FROM_X:   # this rank's own rows: its receive reads them from x
             live = live & (source != rank)
         if HAS_MASK:
