@@ -64,6 +64,14 @@ def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> Non
         raise ValueError(f"{name} entries must be -1 or in [0, {num_experts}), found {bad}")
 
 
+def too_many_rows_message(rank: int, local_expert: int, how: str) -> str:
+    """The error for a low-latency dispatch that sent one local expert more rows than its receive buffer has
+    (num_ranks * num_max_dispatch_tokens_per_rank): only tokens that list an expert several times can."""
+    return (f"topk_idx of a low-latency dispatch: rank {rank}'s local expert {local_expert} was sent more rows than "
+            "num_ranks * num_max_dispatch_tokens_per_rank; a row of topk_idx lists that expert several times (each "
+            f"copy is a row), too often for its receive buffer ({how})")
+
+
 @functools.lru_cache(maxsize=None)
 def dtype_code(dtype: torch.dtype) -> int:
     """A number for every dtype, the same in every process (for exchanges of call descriptions)."""

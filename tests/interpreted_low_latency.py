@@ -156,6 +156,33 @@ def run_unwritten_route(seed: int = 0) -> List[str]:
     return errors
 
 
+def run_too_many_rows(seed: int = 0) -> List[str]:
+    """Tokens that list one expert in every slot send it more rows than its R * N: the receive writes its first
+    R * N rows (source 0's first token first), keeps the true count, and reports the expert in the status
+    words for the host's error."""
+    R, N, H, K, E = 2, 2, 256, 4, 4
+    gen = generator(seed, "interpreted low-latency, too many rows")
+    ranks = make_ranks(R, N, H, E)
+    xs = [torch.randn(N, H, generator=gen).to(torch.bfloat16) for _ in range(R)]
+    idx = torch.zeros(N, K, dtype=torch.int64)   # every slot of every token: expert 0 (rank 0's first)
+    outs, steps = [], []
+    for r in range(R):
+        out, step = ranks[r].dispatch(xs[r], idx, N, E, MODES[0], None, None, 0, True)
+        outs.append(out)
+        steps.append(step)
+    for step in steps:
+        step()
+    errors: List[str] = []
+    out = outs[0]
+    check(errors, "too many rows: recv_count", out.recv_count, torch.tensor([R * N * K, 0], dtype=torch.int32))
+    check(errors, "too many rows: status (code, local expert)", ranks[0].status[2:4],
+          torch.tensor([2, 0], dtype=torch.int32))
+    check(errors, "too many rows: src_info of the rows written", out.src_info[0], torch.zeros(R * N, dtype=torch.int32))
+    check(errors, "too many rows: rows written", out.recv_x[0], xs[0][0].expand(R * N, H))
+    check(errors, "too many rows: rank 1's status", ranks[1].status[2:4], torch.zeros(2, dtype=torch.int32))
+    return errors
+
+
 if __name__ == "__main__":
     failures: List[str] = []
     seed = base_seed()   # (the test passes its own as DEEP_EP_TEST_SEED)
@@ -172,5 +199,6 @@ if __name__ == "__main__":
     failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True, seed=seed)
     failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True, automatic=True, seed=seed)
     failures += run_unwritten_route(seed)
+    failures += run_too_many_rows(seed)
     print("ok" if not failures else "\n".join(failures[:20]), flush=True)
     sys.exit(1 if failures else 0)

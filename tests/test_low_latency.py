@@ -1006,6 +1006,34 @@ def test_low_latency(pool, world_size):
     assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
 
 
+def run_too_many_rows(ctx, seed: int) -> List[str]:
+    """Every rank's one token lists rank 0's first expert twice: 4 rows for its 2 (R * N) slots. Rank 0's
+    dispatch raises a ValueError naming topk_idx and the repeated expert; rank 1's does not; the next call
+    works on both (the reference transport: the NVLink kernels report it to the host instead, see
+    interpreted_low_latency.py)."""
+    N, H, E = 1, 128, 4
+    buf = make_buffer(ctx, N, H, E, transport="reference")
+    x = torch.randn(1, H, generator=generator(seed, "too many rows", ctx.rank)).to(torch.bfloat16).to(ctx.device)
+    problems = []
+    try:
+        buf.low_latency_dispatch(x, torch.tensor([[0, 0]], device=ctx.device), N, E, use_fp8=False)
+        if ctx.rank == 0:
+            problems.append("rank 0: no error for 4 rows into 2 slots")
+    except ValueError as error:
+        if ctx.rank != 0 or "topk_idx" not in str(error) or "several times" not in str(error):
+            problems.append(f"rank {ctx.rank}: {error}")
+    _, count, _, _, _ = buf.low_latency_dispatch(x, torch.tensor([[0, 1]], device=ctx.device), N, E, use_fp8=False)
+    expected = [2, 2] if ctx.rank == 0 else [0, 0]
+    if count.tolist() != expected:
+        problems.append(f"rank {ctx.rank}: the next call's recv_count {count.tolist()}, expected {expected}")
+    return problems
+
+
+def test_low_latency_too_many_rows_for_an_expert_is_an_error(pool):
+    problems = [p for per_rank in pool(2).run(run_too_many_rows, base_seed()) for p in per_rank]
+    assert not problems, problems
+
+
 def test_low_latency_shrink_masks_ranks_that_stop_calling(pool):
     seed = base_seed()
     print(f"seed={seed} (replay: DEEP_EP_TEST_SEED={seed})")

@@ -19,7 +19,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..checks import disagreement, dtype_code
+from ..checks import disagreement, dtype_code, too_many_rows_message
 from ..fp8 import logfmt_roundtrip, num_scale_groups, pack_ue8m0, per_token_cast_to_fp8
 from ..group import Group, Topology, rows_as_bytes, unmasked_ranks
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
@@ -542,6 +542,10 @@ class ReferenceTransport(Transport):
             received = pending.wait()
             received_x = pending_x.wait()
             waited = _now_ns() - started
+            over = (recv_expert_counts.sum(0) > slots).nonzero()
+            if len(over):   # (checked once every exchange of the call is complete, so no peer is left waiting)
+                raise ValueError(too_many_rows_message(topo.rank, int(over[0]), "checked on arrival; nothing was "
+                                                       "received"))
             rows = dict(packer.unpack(received), x=received_x)
             source = _segment_ids(recv_splits)
             keep = (mask.cpu()[source] == 0) if mask is not None else torch.ones_like(source, dtype=torch.bool)

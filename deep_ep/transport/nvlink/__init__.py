@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
-from ...checks import disagreement
+from ...checks import disagreement, too_many_rows_message
 from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology, warn_caller
 from ..base import DispatchOutput, Transport
@@ -535,8 +535,11 @@ class NVLinkTransport(Transport):
                 warn_caller(f"deep_ep: rank {self.topology.rank} masked rank {peer} after waiting more than "
                             f"{self.timeout_ns / 1e9:g} s for {what} (enable_shrink)")
         if words[2]:
-            value = int(words[3])
+            code, value = int(words[2]), int(words[3])
             words[2] = 0
+            if code == 2:   # (sync.TOO_MANY_ROWS)
+                raise ValueError(too_many_rows_message(self.topology.rank, value, "checked on the GPU; the rows "
+                                                       "past that were not written"))
             raise ValueError(f"topk_idx of an earlier low-latency call on rank {self.topology.rank}: entries must be "
                              f"-1 or in [0, num_experts), found {value} (checked on the GPU; those entries were "
                              "treated as no selection)")

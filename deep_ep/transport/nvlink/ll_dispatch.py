@@ -27,14 +27,16 @@ Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (R
   half. The last program to finish publishes RECEIVED + 1.
 A wait that exceeds the timeout records (code, peer) in the host-visible status and skips the copies (a
 timed-out receive leaves empty outputs; a timed-out sender claims no arrival). In shrink mode the rank waited
-for is masked instead, and the call goes on without it (sync.py).
+for is masked instead, and the call goes on without it (sync.py). An expert sent more rows than its R * N (only
+tokens listing it several times can) keeps its true count, but only its first R * N rows are written, and the
+receive reports it in the status (sync.report_bad_input) for the host's error.
 """
 import triton
 import triton.language as tl
 
 from .intrinsics import popcount, to_e4m3
-from .sync import (begin_send, claim_arrival, finish_receive, masked_ranks, report_bad_ids, row_pointer,
-                   send_share, wait_for_senders)
+from .sync import (TOO_MANY_ROWS, begin_send, claim_arrival, finish_receive, masked_ranks, report_bad_ids,
+                   report_bad_input, row_pointer, send_share, wait_for_senders)
 
 FP8_MAX = tl.constexpr(448.0)
 WAIT_LL_DISPATCH = tl.constexpr(4)
@@ -194,9 +196,12 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
             begins = tl.cumsum(per_source, axis=0) - per_source
             tl.store(layout_ptr + e * R + ro, (begins.to(tl.int64) << 32) | per_source.to(tl.int64), mask=ro < R)
             tl.store(count_ptr + e, total)
-            for p0 in range(0, total, ROWS):
+            if total > RN:   # (only tokens listing expert e several times can send it more rows than it has)
+                report_bad_input(status_ptr, TOO_MANY_ROWS, e)
+            written = tl.minimum(total, RN)
+            for p0 in range(0, written, ROWS):
                 p = p0 + po
-                live = p < total
+                live = p < written
                 entry = tl.sum(((ends[None, :] <= p[:, None]) & (jo[None, :] < RN)).to(tl.int32), axis=1)
                 first_row = tl.max(tl.where(ends[None, :] <= p[:, None], ends[None, :], 0), axis=1)
                 word = tl.load(table + entry, mask=live, other=0)

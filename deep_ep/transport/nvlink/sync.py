@@ -166,14 +166,24 @@ def row_pointer(address, offsets, dtype: tl.constexpr, BLOCK: tl.constexpr):
     return tl.max_contiguous(tl.multiple_of(ptrs, 16), BLOCK)
 
 
+# bad input seen by a low-latency kernel (status[2]; status[3] holds the value), raised by the host at its next check
+BAD_IDS = tl.constexpr(1)        # an expert id outside [-1, E)
+TOO_MANY_ROWS = tl.constexpr(2)  # a local expert sent more rows than its R * N (an expert listed several times)
+
+
+@triton.jit
+def report_bad_input(status_ptr, code, value):
+    """Record bad input in status[2:4] (the first report wins): `code` and `value` (clamped to int32)."""
+    if tl.atomic_cas(status_ptr + 2, 0, code, sem="relaxed", scope="sys") == 0:
+        tl.atomic_xchg(status_ptr + 3, tl.minimum(tl.maximum(value, -(1 << 31)), (1 << 31) - 1).to(tl.int32),
+                       sem="relaxed", scope="sys")
+
+
 @triton.jit
 def report_bad_ids(status_ptr, bad, ids):
-    """Record in status[2:4] that expert ids outside [-1, E) were seen (they count as no selection)."""
+    """Record that expert ids outside [-1, E) were seen (they count as no selection)."""
     if tl.sum(bad.to(tl.int32)) > 0:
-        value = tl.max(tl.where(bad, ids, -(1 << 40)))
-        if tl.atomic_cas(status_ptr + 2, 0, 1, sem="relaxed", scope="sys") == 0:
-            tl.atomic_xchg(status_ptr + 3, tl.minimum(tl.maximum(value, -(1 << 31)), (1 << 31) - 1).to(tl.int32),
-                           sem="relaxed", scope="sys")
+        report_bad_input(status_ptr, BAD_IDS, tl.max(tl.where(bad, ids, -(1 << 40))))
 
 
 @triton.jit
