@@ -50,6 +50,18 @@ def check(errors: List[str], what: str, got: torch.Tensor, expected: torch.Tenso
         errors.append(f"{what}: got {got.flatten()[:8].tolist()}..., expected {expected.flatten()[:8].tolist()}...")
 
 
+def dispatch_all(ranks: List[NVLinkLowLatency], sources: List[M.Source], calling: List[int], N: int, E: int,
+                 options: LowLatencyOptions, masks: List) -> dict:
+    """Every calling rank's send (on buffer half 0, with a hook), then every receive: rank -> dispatch output."""
+    outs, steps = {}, []
+    for r in calling:
+        outs[r], step = ranks[r].dispatch(sources[r].x, sources[r].topk_idx, N, E, options, masks[r], None, 0, True)
+        steps.append(step)
+    for step in steps:
+        step()
+    return outs
+
+
 def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent: bool = False,
         automatic: bool = False, seed: int = 0) -> List[str]:
     """`rounds` dispatch + combine rounds. Rank `masked` (if >= 0) is cut off in the last round: the others
@@ -72,13 +84,7 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent
             mask_tensors = [torch.tensor(m, dtype=torch.int32) for m in masks] if cut else [None] * R
         calling = [r for r in range(R) if not (absent and r == masked)]
         hook = i % 2 == 0   # with a hook the combine sends every row; without, the own rows stay in x
-        steps, outs = [], {}
-        for r in calling:
-            outs[r], step = ranks[r].dispatch(sources[r].x, sources[r].topk_idx, N, E, options, mask_tensors[r], None,
-                                              0, True)
-            steps.append(step)
-        for step in steps:
-            step()
+        outs = dispatch_all(ranks, sources, calling, N, E, options, mask_tensors)
         regions = [M.dispatch_region(sources, g, E, masks) for g in range(R)]
         for g in calling:
             out, reg = outs[g], regions[g]
@@ -127,13 +133,7 @@ def run_unwritten_route(seed: int = 0) -> List[str]:
     gen = generator(seed, "interpreted low-latency, unwritten route")
     ranks = make_ranks(R, N, H, E)
     sources = make_sources(gen, R, N, H, K, E)
-    outs, steps = [], []
-    for r in range(R):
-        out, step = ranks[r].dispatch(sources[r].x, sources[r].topk_idx, N, E, MODES[0], None, None, 0, True)
-        outs.append(out)
-        steps.append(step)
-    for step in steps:
-        step()
+    outs = dispatch_all(ranks, sources, list(range(R)), N, E, MODES[0], [None] * R)
     full = int(outs[0].recv_count.argmax())   # an expert of rank 0 with rows: their route entries go negative
     route = ranks[0]._routes[id(outs[0].src_info)][0]
     route[full * R * N:full * R * N + int(outs[0].recv_count[full])] = -5
@@ -163,22 +163,17 @@ def run_too_many_rows(seed: int = 0) -> List[str]:
     R, N, H, K, E = 2, 2, 256, 4, 4
     gen = generator(seed, "interpreted low-latency, too many rows")
     ranks = make_ranks(R, N, H, E)
-    xs = [torch.randn(N, H, generator=gen).to(torch.bfloat16) for _ in range(R)]
     idx = torch.zeros(N, K, dtype=torch.int64)   # every slot of every token: expert 0 (rank 0's first)
-    outs, steps = [], []
-    for r in range(R):
-        out, step = ranks[r].dispatch(xs[r], idx, N, E, MODES[0], None, None, 0, True)
-        outs.append(out)
-        steps.append(step)
-    for step in steps:
-        step()
+    sources = [M.Source(torch.randn(N, H, generator=gen).to(torch.bfloat16), idx, torch.rand(N, K, generator=gen))
+               for _ in range(R)]
+    outs = dispatch_all(ranks, sources, list(range(R)), N, E, MODES[0], [None] * R)
     errors: List[str] = []
     out = outs[0]
     check(errors, "too many rows: recv_count", out.recv_count, torch.tensor([R * N * K, 0], dtype=torch.int32))
     check(errors, "too many rows: status (code, local expert)", ranks[0].status[2:4],
           torch.tensor([2, 0], dtype=torch.int32))
     check(errors, "too many rows: src_info of the rows written", out.src_info[0], torch.zeros(R * N, dtype=torch.int32))
-    check(errors, "too many rows: rows written", out.recv_x[0], xs[0][0].expand(R * N, H))
+    check(errors, "too many rows: rows written", out.recv_x[0], sources[0].x[0].expand(R * N, H))
     check(errors, "too many rows: rank 1's status", ranks[1].status[2:4], torch.zeros(2, dtype=torch.int32))
     return errors
 

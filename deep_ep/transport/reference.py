@@ -531,7 +531,8 @@ class ReferenceTransport(Transport):
         else:
             recv_x = torch.empty((experts_per_rank, slots, hidden), dtype=torch.bfloat16, device=dev)
             recv_scales = None
-        recv_count = recv_expert_counts.sum(0).to(torch.int32).to(dev)
+        rows_per_expert = recv_expert_counts.sum(0)                                      # [E_loc], host
+        recv_count = rows_per_expert.to(torch.int32).to(dev)
         begin = _exclusive_cumsum(recv_expert_counts, dim=0)                              # [R, E_loc]
         layout_range = ((begin << 32) | recv_expert_counts).t().contiguous().to(dev)
         src_info = torch.full((experts_per_rank, slots), -1, dtype=torch.int32, device=dev)
@@ -542,7 +543,7 @@ class ReferenceTransport(Transport):
             received = pending.wait()
             received_x = pending_x.wait()
             waited = _now_ns() - started
-            over = (recv_expert_counts.sum(0) > slots).nonzero()
+            over = (rows_per_expert > slots).nonzero()
             if len(over):   # (checked once every exchange of the call is complete, so no peer is left waiting)
                 raise ValueError(too_many_rows_message(topo.rank, int(over[0]), "checked on arrival; nothing was "
                                                        "received"))

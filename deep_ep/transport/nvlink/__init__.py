@@ -535,9 +535,10 @@ class NVLinkTransport(Transport):
                 warn_caller(f"deep_ep: rank {self.topology.rank} masked rank {peer} after waiting more than "
                             f"{self.timeout_ns / 1e9:g} s for {what} (enable_shrink)")
         if words[2]:
+            from .sync import TOO_MANY_ROWS
             code, value = int(words[2]), int(words[3])
             words[2] = 0
-            if code == 2:   # (sync.TOO_MANY_ROWS)
+            if code == TOO_MANY_ROWS.value:
                 raise ValueError(too_many_rows_message(self.topology.rank, value, "checked on the GPU; the rows "
                                                        "past that were not written"))
             raise ValueError(f"topk_idx of an earlier low-latency call on rank {self.topology.rank}: entries must be "
