@@ -1063,6 +1063,23 @@ def test_nvlink_masking_is_reported_as_a_warning_at_the_callers_line():
     assert not words.any()
 
 
+def test_nvlink_shrink_mode_refuses_more_ranks_than_its_rank_bits_hold():
+    """Shrink mode's NVLink kernels pass the ranks a call exchanges with as the bits of an int64: a larger group
+    is refused when the Buffer is built, naming enable_shrink and the limit, rather than masking the wrong ranks."""
+    from types import SimpleNamespace
+    from deep_ep.group import Topology
+    from deep_ep.transport.nvlink.low_latency import MAX_SHRINK_RANKS, NVLinkLowLatency
+    peers = SimpleNamespace(bases=torch.zeros(MAX_SHRINK_RANKS + 1, dtype=torch.int64))
+    status = torch.zeros(4 + MAX_SHRINK_RANKS + 1, dtype=torch.int32)
+    for ranks, auto_mask in [(MAX_SHRINK_RANKS, True), (MAX_SHRINK_RANKS + 1, False)]:
+        NVLinkLowLatency(Topology(0, ranks, ranks), torch.zeros(64, dtype=torch.uint8), peers, status, 10 ** 9, 1,
+                         auto_mask=auto_mask)
+    limit = MAX_SHRINK_RANKS
+    with pytest.raises(ValueError, match=f"enable_shrink.*at most {limit} ranks.*has {limit + 1}"):
+        NVLinkLowLatency(Topology(0, MAX_SHRINK_RANKS + 1, MAX_SHRINK_RANKS + 1), torch.zeros(64, dtype=torch.uint8),
+                         peers, status, 10 ** 9, 1, auto_mask=True)
+
+
 def test_low_latency_in_deterministic_mode(pool):
     """The 2-rank cases and the pipeline with torch's deterministic algorithms on and new tensors filled with
     NaN / the largest integer (the transport may rely on no value of memory it did not write)."""

@@ -4,7 +4,8 @@ A row pointer that loses its alignment or contiguity hints still gives correct r
 then moves rows in 2- or 4-byte pieces, several times slower; only the benchmark on the GPU machine would
 show it. Each case compiles a kernel as the transport launches it (pointers 16-byte aligned, the shape's
 block sizes and warps) and counts its global loads and stores by width. The counters that other programs
-change while a kernel runs are read with atomics or volatile loads, never plain (cacheable) loads.
+change while a kernel runs are read with atomics or volatile loads, never plain (cacheable) loads, and no
+branch of a waiting kernel depends on what one thread alone saw (the clock, a volatile load).
 """
 import re
 from collections import Counter
@@ -187,3 +188,79 @@ def test_low_latency_receive_wait_reads_no_counter_with_a_plain_load(auto_mask):
     L1 (with a plain read of RECEIVED, a receive on the GPU once passed its wait a call early)."""
     loads = re.findall(r"\bld\.global[.a-z0-9]*", _ptx(_receive_start, 4, dict(R=8, AUTO_MASK=auto_mask, BLOCK_R=8)))
     assert not [load for load in loads if not re.search(r"\.(acquire|relaxed|volatile)\b", load)], loads
+
+
+# ---- uniform control flow ----------------------------------------------------------------------------------------
+STATEMENT = re.compile(r"^\s*(@!?(%p\d+)\s+)?([a-z][\w.:]*)\s*(.*)$")
+REGISTER = re.compile(r"%[a-z]+\d+")
+
+
+def _branches_on_own_views(ptx: str) -> list:
+    """The conditional branches of `ptx` whose predicate depends, through registers, on a value that each thread
+    observes for itself: the global timer, a volatile load, an atomic's result (Triton hands the latter to the
+    other threads through shared memory; a value read back from shared memory or from a bar.red reduction
+    counts as the same in every thread). Flow-insensitive: a register is tainted if any of its definitions is."""
+    statements = []
+    for line in ptx.splitlines():
+        if "bar.red" in line:   # cta_any: its result is one value for the whole program
+            continue
+        for text in line.split(";"):
+            match = STATEMENT.match(text)
+            if match:
+                statements.append(match.groups()[1:])
+    tainted: set = set()
+    changed = True
+    while changed:
+        changed = False
+        for guard, opcode, operands in statements:
+            if opcode.startswith(("st.", "bar.", "bra", "ret", "fence", "membar", "red.", "ld.shared")):
+                continue
+            first, _, rest = operands.partition(",")
+            if first.strip().startswith("{"):   # a vector destination
+                first, _, rest = operands.partition("}")
+            dests = REGISTER.findall(first)
+            sources = REGISTER.findall(rest) + ([guard] if guard else [])
+            own_view = ("%globaltimer" in rest or opcode.startswith("atom")
+                        or (opcode.startswith("ld.") and ".volatile" in opcode))
+            if (own_view or tainted.intersection(sources)) and not tainted.issuperset(dests):
+                tainted.update(dests)
+                changed = True
+    return [(guard, opcode) for guard, opcode, _ in statements if opcode.startswith("bra") and guard in tainted]
+
+
+def _uniformity_cases():
+    h, k, r = 512, 4, 4
+    ll_dispatch_shapes = dict(H=h, K=k, R=r, FP8=True, ROUND=False, UE8M0=False, XW=h // 4, SW=h // 128,
+                              SLOT_W=h // 4 + h // 128, HAS_MASK=True, AUTO_MASK=True, BLOCK_H=h, BLOCK_K=k, BLOCK_R=r,
+                              BLOCK_G=h // 128, HAS_STATS=True, BLOCK_RN=r * 16, BLOCK_X=h // 4, BLOCK_S=4,
+                              ROWS=ll.RECV_ROWS, AHEAD=False)
+    ll_combine_shapes = dict(H=h, K=k, R=r, HAS_MASK=True, AUTO_MASK=True, LOGFMT=False, BLOCK_H=h, BLOCK_E=4,
+                             BLOCK_R=r, ROWS=ll.COMBINE_SEND_ROWS, HAS_STATS=True, BLOCK_K=k, CHUNK=h, OWN_FROM_X=True)
+    rows = dict(C=4, R=r, XW=h // 2, SW=0, K=k, HAS_W=True, ID_OFF=h // 2, BLOCK_X=h // 2, BLOCK_S=1, BLOCK_K=k,
+                BLOCK_R=r, ROWS=4)
+    combine_rows = dict(R=r, H=h, K=k, X_OFF=_combine_slot(k, h)[0], HAS_BIAS0=True, HAS_BIAS1=False, BLOCK_H=h,
+                        BLOCK_K=k, BLOCK_R=r, ROWS=4)
+    from deep_ep.transport.nvlink import notify
+    return {
+        "ll dispatch send": (ll_dispatch.ll_dispatch_send_kernel, ll_dispatch_shapes),
+        "ll dispatch receive": (ll_dispatch.ll_dispatch_recv_kernel, ll_dispatch_shapes),
+        "ll dispatch fused": (ll_dispatch.ll_dispatch_kernel, ll_dispatch_shapes),
+        "ll combine send": (ll_combine.ll_combine_send_kernel, ll_combine_shapes),
+        "ll combine receive": (ll_combine.ll_combine_recv_kernel, ll_combine_shapes),
+        "ll combine fused": (ll_combine.ll_combine_kernel, ll_combine_shapes),
+        "dispatch rings": (dispatch.dispatch_kernel, dict(rows, CMAX=8, OWN_BY_SENDER=False)),
+        "dispatch direct": (direct.direct_dispatch_kernel, dict(rows, AMAX=8)),
+        "combine rings": (combine.combine_kernel, dict(combine_rows, C=4, CMAX=8)),
+        "combine direct": (direct.direct_combine_kernel, dict(combine_rows, AMAX=8, BLOCK_P=8)),
+        "notify": (notify.notify_kernel, dict(R=r, REC=64, STRIDE=64, BLOCK=64, BLOCK_R=r)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_uniformity_cases()))
+def test_waits_branch_alike_in_every_thread(case):
+    """A thread that leaves a wait on its own reading of the clock or of a flag while the others go on polling
+    meets them at the wrong barriers, and the program computes garbage: in shrink mode, on the GPU, a dispatch
+    receive that gave up on one rank copied wrong rows of the others. No branch of a waiting kernel may depend
+    on such a reading unless a reduction over the program (cta_any) has made it one value."""
+    kernel, constexprs = _uniformity_cases()[case]
+    assert _branches_on_own_views(_ptx(kernel, 4, constexprs)) == []

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .intrinsics import clock_ns
 from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, begin_operation, channel_tokens, end_operation, lane, peer_view,
-                   publish, report_timeout, row_pointers, wait_at_least)
+                   publish, report_timeout, row_pointers, time_passed, wait_at_least)
 
 OWN_STEP = tl.constexpr(4)   # tiles of own tokens a receiver copies between two looks at its rings
 
@@ -243,7 +243,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                                    experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
                 own_next = tl.minimum(own_next + OWN_STEP * ROWS, own_end)
                 start = clock_ns()
-            elif clock_ns() - start > timeout_ns:
+            elif time_passed(start, timeout_ns):
                 report_timeout(status_ptr, WAIT_ROWS, tl.min(tl.where(open_, ro, NO_PEER)))
                 failed = remaining > 0
         tl.store(ctrl + recvd_word + ro * CMAX + q, recvd0 + count, mask=peers)

@@ -16,6 +16,11 @@ if INTERPRETED:
         return tl.full([], time.monotonic_ns(), tl.int64)
 
     @triton.jit
+    def cta_any(flag):
+        """Whether `flag` (a scalar) is nonzero (one program is one thread here)."""
+        return flag != 0
+
+    @triton.jit
     def popcount(x):
         """Bits set in each int32 of x."""
         bits = x.to(tl.uint32, bitcast=True)
@@ -54,6 +59,14 @@ if INTERPRETED:
 else:
     clock_ns = globaltimer          # nanoseconds of the GPU's global timer
     popcount = libdevice.popc       # bits set in each int32
+
+    @triton.jit
+    def cta_any(flag):
+        """Whether `flag` (a scalar that each thread computes for itself) is nonzero in any thread of the
+        program, the same answer in all of them (a barrier with an OR reduction: every thread must get here)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred own, some; setp.ne.s32 own, $1, 0; bar.red.or.pred some, 0, own; selp.s32 $0, 1, 0, some; }",
+            "=r,r", [flag.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1) != 0
 
     @triton.jit
     def to_bf16(x):

@@ -34,7 +34,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .intrinsics import to_bf16
-from .sync import (begin_send, claim_arrival, finish_receive, masked_ranks, report_bad_ids, row_pointers,
+from .sync import (begin_send, claim_arrival, finish_receive, in_rank_bits, rank_bits, report_bad_ids, row_pointers,
                    send_share, wait_for_senders)
 
 WAIT_LL_COMBINE = tl.constexpr(5)
@@ -98,6 +98,7 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_
     rank_open, free, bases = begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, ro, pid < senders,
                                         timeout_ns, status_ptr, R, HAS_MASK, AUTO_MASK)
     total = tl.where(free, total, 0)
+    open_bits = rank_bits(rank_open, ro)
     for g0 in range(pid * ROWS, total, num_senders * ROWS):
         g = g0 + po
         live = g < total
@@ -109,7 +110,7 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_
         if OWN_FROM_X:   # this rank's own rows: its receive reads them from x
             live = live & (source != rank)
         if HAS_MASK:
-            live = live & (masked_ranks(mask_ptr, source, live) == 0)
+            live = live & in_rank_bits(open_bits, source)
         values = tl.load(x_ptr + (expert.to(tl.int64) * x_expert_stride + row.to(tl.int64) * x_row_stride)[:, None]
                          + ho[None, :], mask=live[:, None] & (ho[None, :] < H), other=0.0)
         if LOGFMT:
@@ -132,8 +133,9 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
     pid = tl.program_id(0)
     ko = tl.arange(0, BLOCK_K)
     co = tl.arange(0, CHUNK)
-    received, ok = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns,
-                                    status_ptr, WAIT_LL_COMBINE, R, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_R)
+    received, ok, sources = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders,
+                                             timeout_ns, status_ptr, WAIT_LL_COMBINE, R, HAS_MASK, AUTO_MASK,
+                                             HAS_STATS, BLOCK_R)
     if ok:
         # contiguous items per program: a token's chunks mostly stay in one program (its ids and weights
         # are then read from L1 after the first chunk)
@@ -147,7 +149,7 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
             report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
             valid = (ids >= 0) & (ids < num_experts)
             if HAS_MASK:
-                valid = valid & (masked_ranks(mask_ptr, tl.where(valid, ids // experts_per_rank, 0), valid) == 0)
+                valid = valid & in_rank_bits(sources, tl.where(valid, ids // experts_per_rank, 0))
             acc = tl.zeros([CHUNK], tl.float32)
             for k in tl.static_range(K):   # no branch: the K loads can all be in flight at once
                 use = tl.sum((valid & (ko == k)).to(tl.int32)) > 0

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .intrinsics import popcount, to_e4m3
-from .sync import (TOO_MANY_ROWS, begin_send, claim_arrival, finish_receive, masked_ranks, report_bad_ids,
+from .sync import (TOO_MANY_ROWS, begin_send, claim_arrival, finish_receive, in_rank_bits, rank_bits, report_bad_ids,
                    report_bad_input, row_pointer, send_share, wait_for_senders)
 
 FP8_MAX = tl.constexpr(448.0)
@@ -72,12 +72,13 @@ def _quantize(row, H: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, BL
 
 
 @triton.jit
-def _send_token(t, ids, row, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, num_experts, experts_per_rank,
+def _send_token(t, ids, row, route_ptr, bases_ptr, open_bits, status_ptr, rank, num_experts, experts_per_rank,
                 num_max_tokens, masks_offset, slots_offset, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
                 FP8: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
                 SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_G: tl.constexpr):
-    """Send token t (its top-k `ids` and `row`, loaded by the caller)."""
+    """Send token t (its top-k `ids` and `row`, loaded by the caller) to the ranks in `open_bits` (rank_bits;
+    with HAS_MASK)."""
     ko = tl.arange(0, BLOCK_K)
     ho = tl.arange(0, BLOCK_H)
     so = tl.arange(0, BLOCK_G)
@@ -86,7 +87,7 @@ def _send_token(t, ids, row, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, n
     report_bad_ids(status_ptr, (ko < K) & ((ids < -1) | (ids >= num_experts)), ids)
     owner = tl.where(in_range, ids // experts_per_rank, 0)
     if HAS_MASK:
-        valid = in_range & (masked_ranks(mask_ptr, owner, in_range) == 0)
+        valid = in_range & in_rank_bits(open_bits, owner)
     else:
         valid = in_range
     same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
@@ -139,15 +140,16 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr
     senders = tl.maximum(tl.minimum(num_tokens, num_senders), 1)
     rank_open, free, bases = begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, ro, pid < senders,
                                         timeout_ns, status_ptr, R, HAS_MASK, AUTO_MASK)
+    open_bits = rank_bits(rank_open, ro)
     if free & has_first:
-        _send_token(pid, ids, row, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, num_experts,
+        _send_token(pid, ids, row, route_ptr, bases_ptr, open_bits, status_ptr, rank, num_experts,
                     experts_per_rank, num_max_tokens, masks_offset, slots_offset, H, K, R, FP8, ROUND, UE8M0, XW, SW,
                     SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_G)
     for t in range(pid + num_senders, tl.where(free, num_tokens, 0), num_senders):
         token = tl.cast(t, tl.int64)
         ids = tl.load(idx_ptr + token * K + ko, mask=ko < K, other=-1)
         row = tl.load(x_ptr + token * H + ho, mask=ho < H, other=0.0)
-        _send_token(t, ids, row, route_ptr, bases_ptr, mask_ptr, status_ptr, rank, num_experts,
+        _send_token(t, ids, row, route_ptr, bases_ptr, open_bits, status_ptr, rank, num_experts,
                     experts_per_rank, num_max_tokens, masks_offset, slots_offset, H, K, R, FP8, ROUND, UE8M0, XW, SW,
                     SLOT_W, HAS_MASK, BLOCK_H, BLOCK_K, BLOCK_G)
     # a program whose wait timed out claims no share: the receivers time out too
@@ -163,15 +165,16 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
              BLOCK_S: tl.constexpr, ROWS: tl.constexpr, AHEAD: tl.constexpr):
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
-    received, ok = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns,
-                                    status_ptr, WAIT_LL_DISPATCH, R, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_R)
+    received, ok, sources = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders,
+                                             timeout_ns, status_ptr, WAIT_LL_DISPATCH, R, HAS_MASK, AUTO_MASK,
+                                             HAS_STATS, BLOCK_R)
     if ok:
         RN = R * num_max_tokens
         jo = tl.arange(0, BLOCK_RN)            # entry j = source * N + token
         source_of = jo // num_max_tokens
         in_table = jo < RN
         if HAS_MASK:
-            in_table = in_table & (masked_ranks(mask_ptr, source_of, in_table) == 0)
+            in_table = in_table & in_rank_bits(sources, source_of)
         po = tl.arange(0, ROWS)
         xo = tl.arange(0, BLOCK_X)
         so = tl.arange(0, BLOCK_S)

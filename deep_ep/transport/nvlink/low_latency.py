@@ -54,6 +54,7 @@ FUSED_MAX_TOKENS = int(os.environ.get("DEEP_EP_LL_FUSED_MAX_TOKENS", "4"))
 # without a hook, the combine's receive reads this rank's own rows from the expert output instead of their being
 # sent to itself ("0": every row is sent, as with a hook)
 OWN_FROM_X = os.environ.get("DEEP_EP_LL_OWN_FROM_X", "1") != "0"
+MAX_SHRINK_RANKS = 64    # shrink mode: the open ranks travel as the bits of an int64 (sync.rank_bits)
 
 
 # the arguments of a call that change from call to call, in the order the Relaunches take them (the fused
@@ -115,6 +116,10 @@ class NVLinkLowLatency:
         int64 tensor on the area's device), `peers.close()` unmaps them. Use `open_on_group` on GPUs.
         `auto_mask`: in shrink mode a wait that gives up on a rank masks it (the host steps can then go on
         without it: Group.roll_call); otherwise it fails, as without shrink mode."""
+        if auto_mask and topology.num_ranks > MAX_SHRINK_RANKS:
+            raise ValueError(f"enable_shrink: the NVLink low-latency kernels keep the ranks a call exchanges with as "
+                             f"the bits of an int64, so at most {MAX_SHRINK_RANKS} ranks; this group has "
+                             f"{topology.num_ranks} (transport='reference' has no such limit)")
         self.topology, self.device, self.status, self.timeout_ns = topology, area.device, status, timeout_ns
         self.auto_mask = auto_mask
         self.area, self.peers, self.num_sms = area, peers, num_sms

@@ -8,6 +8,12 @@ out, every later wait of the Buffer gives up after STALE_NS (status[0] is set): 
 GPU, or a CUDA graph replayed without a host check, then finishes quickly instead of waiting out the
 timeout at every step.
 
+Every value that steers a program's branches and loops is the same in all of its threads. A thread that reads
+the clock or a volatile word for itself may see another value than its neighbours; if it then leaves a loop
+that they stay in, the threads meet at different barriers (Triton's reductions use them) and the program
+computes garbage. So a wait decides with cta_any (one barrier that ORs every thread's view), and reads words
+that other programs change with atomics (Triton hands the one result to every thread that holds the value).
+
 Low-latency waits in shrink mode (enable_shrink, with roll calls through the store on the host) do not fail: a
 rank they give up on is masked instead, in the call's mask, in the Buffer's (so later calls skip it) and in
 status[4 + rank] (the host warns), and the call goes on without it, as DeepEP masks a rank on a timeout. Such a
@@ -17,7 +23,7 @@ status[0], after STALE_NS).
 import triton
 import triton.language as tl
 
-from .intrinsics import clock_ns
+from .intrinsics import clock_ns, cta_any
 
 # status codes (status[0]); status[1] holds the peer
 WAIT_NOTIFY = tl.constexpr(1)
@@ -46,6 +52,21 @@ def report_timeout(status_ptr, code, peer):
 
 
 @triton.jit
+def time_passed(start, limit_ns):
+    """Whether more than `limit_ns` have passed since `start` (a clock_ns reading), the same answer in every
+    thread of the program (each reads the clock for itself)."""
+    return cta_any(clock_ns() - start > limit_ns)
+
+
+@triton.jit
+def read_words(ptrs, where, other):
+    """Words that other programs may change, read so that every thread holding one gets the same value (a
+    relaxed atomic read, as Triton lowers it: one thread reads, the others get its result); `other` where not
+    `where`."""
+    return tl.where(where, tl.atomic_add(ptrs, 0, mask=where, sem="relaxed", scope="gpu"), other)
+
+
+@triton.jit
 def _spin(ptrs, targets, mask, timeout_ns, status_ptr, shrink_ptrs, SHRINK: tl.constexpr):
     """Spin until every counter `ptrs[i]` (where `mask`) is >= `targets[i]`, polling only the lanes still behind,
     until the timeout or an earlier timeout of the Buffer (status[0]); with SHRINK, a lane also stops once its
@@ -58,20 +79,22 @@ def _spin(ptrs, targets, mask, timeout_ns, status_ptr, shrink_ptrs, SHRINK: tl.c
     waited = tl.where(mask, clock_ns() - start, 0)
     stale = tl.zeros([], tl.int32)
     polls = tl.zeros([], tl.int32)
-    # (the clock is read afresh in the condition and the body: a clock value carried through the loop
-    # crashes the Triton 3.6 compiler)
-    while (tl.sum(lagging) > 0) & ((clock_ns() - start) < timeout_ns) & (stale == 0):
+    waiting = tl.sum(lagging) > 0
+    while waiting:
         values = tl.atomic_add(ptrs, 0, mask=lagging > 0, sem="acquire", scope="sys")
         waited = tl.where(lagging > 0, clock_ns() - start, waited)
         lagging = tl.where(lagging > 0, (values < targets).to(tl.int32), 0)
         polls += 1
         # (status and the mask are read only in a long wait, and then every 256th poll; status is host memory)
-        if ((polls & 255) == 0) & (clock_ns() - start > STALE_NS):
-            stale = tl.load(status_ptr, volatile=True)
-            if SHRINK:
-                gone = (lagging > 0) & (tl.load(shrink_ptrs, mask=lagging > 0, other=0, volatile=True) != 0)
-                masked = tl.where(gone, 1, masked)
-                lagging = tl.where(gone, 0, lagging)
+        if (polls & 255) == 0:
+            if time_passed(start, STALE_NS):
+                stale = cta_any(tl.load(status_ptr, volatile=True)).to(tl.int32)
+                if SHRINK:
+                    gone = (lagging > 0) & (read_words(shrink_ptrs, lagging > 0, 0) != 0)
+                    masked = tl.where(gone, 1, masked)
+                    lagging = tl.where(gone, 0, lagging)
+        # (the clock is read afresh here: a clock value carried through the loop crashes the Triton 3.6 compiler)
+        waiting = (tl.sum(lagging) > 0) & (stale == 0) & ~time_passed(start, timeout_ns)
     return tl.maximum(lagging, masked), waited, stale
 
 
@@ -202,33 +225,39 @@ def wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr,
     """The start of a low-latency receive program: wait until ARRIVED[s] >= num_senders * (RECEIVED + 1) for
     every source s its shrink mask leaves open (AUTO_MASK: a source given up on is masked, wait_ranks); with
     HAS_STATS, program 0 adds to stats[s] how long source s was waited for (also for a source given up on).
-    Returns (RECEIVED, ok), after a barrier (every thread's later reads follow the wait; they read the mask
-    again, with masked_ranks)."""
+    Returns (RECEIVED, ok, the sources it did not give up on as rank_bits), after a barrier (every thread's
+    later reads follow the wait)."""
     lanes = tl.arange(0, BLOCK_R)
     received = calls_received(received_ptr)
     sources = open_ranks(mask_ptr, lanes, R, HAS_MASK)
-    _, ok, waited = wait_ranks(arrived_ptr + lanes, (received + 1) * num_senders, sources, lanes, timeout_ns,
-                               status_ptr, code, mask_ptr, shrink_ptr, AUTO_MASK)
+    still_open, ok, waited = wait_ranks(arrived_ptr + lanes, (received + 1) * num_senders, sources, lanes,
+                                        timeout_ns, status_ptr, code, mask_ptr, shrink_ptr, AUTO_MASK)
     if HAS_STATS:
         if tl.program_id(0) == 0:
             tl.atomic_add(stats_ptr + lanes, waited, mask=sources, sem="relaxed")
     tl.debug_barrier()
-    return received, ok
+    return received, ok, rank_bits(still_open, lanes)
 
 
 @triton.jit
 def open_ranks(mask_ptr, lanes, R: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Lanes of the ranks this rank exchanges with: every rank, less those its shrink mask marks failed."""
+    """Lanes of the ranks this rank exchanges with: every rank, less those its shrink mask marks failed (read
+    from memory every time: a wait of this call may have masked a rank since the last read)."""
     if HAS_MASK:
-        return (lanes < R) & (masked_ranks(mask_ptr, lanes, lanes < R) == 0)
+        return (lanes < R) & (read_words(mask_ptr + lanes, lanes < R, 1) == 0)
     return lanes < R
 
 
 @triton.jit
-def masked_ranks(mask_ptr, ranks, where):
-    """The shrink mask's entries for `ranks` (1 where not `where`), read from memory every time: a wait of this
-    call may have masked a rank since the last read."""
-    return tl.load(mask_ptr + ranks, mask=where, other=1, volatile=True)
+def rank_bits(ranks, lanes):
+    """The lanes set in `ranks` as the bits of an int64 (bit r: rank r; at most 64 ranks with a shrink mask)."""
+    return tl.sum(tl.where(ranks, tl.full(lanes.shape, 1, tl.int64) << lanes.to(tl.int64), 0))
+
+
+@triton.jit
+def in_rank_bits(bits, ranks):
+    """Whether each rank of `ranks` is set in `bits` (rank_bits)."""
+    return ((bits >> ranks.to(tl.int64)) & 1) != 0
 
 
 @triton.jit
