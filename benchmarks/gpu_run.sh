@@ -13,8 +13,9 @@
 #   DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0, part of ll on 2 GPUs; ll-other: the rest; on one GPU they run one
 #   after the other, so there a call of at most 10 minutes takes one of them);
 #   other: the rest of the suite
-#   shrink: the automatic-masking test of tests/test_low_latency.py five times, each with a fresh seed (its
-#           timing differs from run to run)
+#   shrink: the automatic-masking test of tests/test_low_latency.py fifteen times, three at once, each with a
+#           fresh seed (its timing differs from run to run; three at once made a since-fixed race show up in 5 of
+#           18 runs instead of 1 in 5)
 #   deepep: DeepEP's own V1 test scripts against this package (benchmarks/deepep_tests.py; a copy of DeepEP's V1
 #           tests folder in _deepep_tests/), after the benchmark and before the tests: test_intranode and
 #           test_low_latency at 2 ranks (2 GPUs), test_low_latency --shrink-test at 8 ranks sharing the GPUs
@@ -121,7 +122,9 @@ else
 fi
 if has ll-variants; then ll_variants & fi
 if has shrink; then   # automatic masking (5 ranks, three stop calling) again and again, each run a fresh seed
-    (for i in 1 2 3 4 5; do run_tests "tests_shrink_$i" tests/test_low_latency.py -k stop_calling; done) &
+    for stream in 1 2 3; do
+        (for i in 1 2 3 4 5; do run_tests "tests_shrink_${stream}_$i" tests/test_low_latency.py -k stop_calling; done) &
+    done
 fi
 if has other; then
     run_tests tests_other tests --ignore=tests/test_nvlink.py --ignore=tests/test_nvlink_launch.py \
