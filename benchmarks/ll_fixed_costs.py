@@ -44,8 +44,8 @@ def _steps(bases_ptr, status_ptr, arrived_ptr, received_ptr, finished_ptr, table
         counter = received_ptr
         if SHARES:   # RECEIVED counts programs here; a torch op counts the calls
             counter = calls_ptr
-        received, ok = wait_for_senders(arrived_ptr, counter, status_ptr, status_ptr, status_ptr,
-                                        tl.num_programs(0), timeout_ns, status_ptr, 4, 1, False, False, False, 1)
+        received, ok, _ = wait_for_senders(arrived_ptr, counter, status_ptr, status_ptr, status_ptr,
+                                           tl.num_programs(0), timeout_ns, status_ptr, 4, 1, False, False, False, 1)
         tl.store(stamps_ptr + pid * 8 + 3, clock_ns())
     if LAST >= 4:
         jo = tl.arange(0, BLOCK_RN)

@@ -1069,15 +1069,17 @@ def test_nvlink_shrink_mode_refuses_more_ranks_than_its_rank_bits_hold():
     from types import SimpleNamespace
     from deep_ep.group import Topology
     from deep_ep.transport.nvlink.low_latency import MAX_SHRINK_RANKS, NVLinkLowLatency
-    peers = SimpleNamespace(bases=torch.zeros(MAX_SHRINK_RANKS + 1, dtype=torch.int64))
-    status = torch.zeros(4 + MAX_SHRINK_RANKS + 1, dtype=torch.int32)
-    for ranks, auto_mask in [(MAX_SHRINK_RANKS, True), (MAX_SHRINK_RANKS + 1, False)]:
-        NVLinkLowLatency(Topology(0, ranks, ranks), torch.zeros(64, dtype=torch.uint8), peers, status, 10 ** 9, 1,
-                         auto_mask=auto_mask)
     limit = MAX_SHRINK_RANKS
+    peers = SimpleNamespace(bases=torch.zeros(limit + 1, dtype=torch.int64))
+    status = torch.zeros(4 + limit + 1, dtype=torch.int32)
+
+    def build(ranks: int, auto_mask: bool) -> NVLinkLowLatency:
+        return NVLinkLowLatency(Topology(0, ranks, ranks), torch.zeros(64, dtype=torch.uint8), peers, status, 10 ** 9,
+                                1, auto_mask=auto_mask)
+    build(limit, True)
+    build(limit + 1, False)
     with pytest.raises(ValueError, match=f"enable_shrink.*at most {limit} ranks.*has {limit + 1}"):
-        NVLinkLowLatency(Topology(0, MAX_SHRINK_RANKS + 1, MAX_SHRINK_RANKS + 1), torch.zeros(64, dtype=torch.uint8),
-                         peers, status, 10 ** 9, 1, auto_mask=True)
+        build(limit + 1, True)
 
 
 def test_low_latency_in_deterministic_mode(pool):

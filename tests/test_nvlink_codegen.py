@@ -22,7 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from deep_ep.transport.nvlink import (COMBINE_TILE, DISPATCH_TILE, NUM_WARPS, _combine_slot,  # noqa: E402
                                       _next_pow2, _rows_per_step)
-from deep_ep.transport.nvlink import combine, direct, dispatch, ll_combine, ll_dispatch  # noqa: E402
+from deep_ep.transport.nvlink import combine, direct, dispatch, ll_combine, ll_dispatch, notify  # noqa: E402
 from deep_ep.transport.nvlink import low_latency as ll  # noqa: E402
 from deep_ep.transport.nvlink import sync  # noqa: E402
 
@@ -185,7 +185,7 @@ def _receive_start(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, s
 @pytest.mark.parametrize("auto_mask", [False, True])
 def test_low_latency_receive_wait_reads_no_counter_with_a_plain_load(auto_mask):
     """RECEIVED, ARRIVED, the masks and the status change while kernels run: a plain load may be served from
-    L1 (with a plain read of RECEIVED, a receive on the GPU once passed its wait a call early)."""
+    L1."""
     loads = re.findall(r"\bld\.global[.a-z0-9]*", _ptx(_receive_start, 4, dict(R=8, AUTO_MASK=auto_mask, BLOCK_R=8)))
     assert not [load for load in loads if not re.search(r"\.(acquire|relaxed|volatile)\b", load)], loads
 
@@ -240,7 +240,6 @@ def _uniformity_cases():
                 BLOCK_R=r, ROWS=4)
     combine_rows = dict(R=r, H=h, K=k, X_OFF=_combine_slot(k, h)[0], HAS_BIAS0=True, HAS_BIAS1=False, BLOCK_H=h,
                         BLOCK_K=k, BLOCK_R=r, ROWS=4)
-    from deep_ep.transport.nvlink import notify
     return {
         "ll dispatch send": (ll_dispatch.ll_dispatch_send_kernel, ll_dispatch_shapes),
         "ll dispatch receive": (ll_dispatch.ll_dispatch_recv_kernel, ll_dispatch_shapes),

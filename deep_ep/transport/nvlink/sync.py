@@ -213,8 +213,7 @@ def report_bad_ids(status_ptr, bad, ids):
 def calls_received(received_ptr):
     """RECEIVED of a low-latency half (the calls it has received), read with an acquire atomic, as the waits
     read the other counters: a plain load may be served from this SM's L1, which atomics elsewhere do not
-    update. (In a variant where receive programs add to RECEIVED as they finish, a receive with the plain read
-    passed its wait a call early on the GPU; with this read it did not.)"""
+    update."""
     return tl.atomic_add(received_ptr, 0, sem="acquire", scope="sys")
 
 
