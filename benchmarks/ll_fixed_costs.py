@@ -5,12 +5,10 @@ the transport's own synchronisation functions (deep_ep/transport/nvlink/sync.py)
 
 Steps, cumulative: 0 nothing; 1 the send's wait for the buffer half (begin_send); 2 its arrival claim; 3 the
 receive's wait for the arrivals; 4 a pass over every local expert's table of slot bits (load, count, fill,
-clear: what the dispatch receive does before copying rows); 5 the receive's finish ticket (or, in the last line,
-"shares": every program adding its share to RECEIVED itself, one release atomic per program instead of a ticket
-and the last program's release). For each, the kernel time (torch.profiler over CUDA-graph replays) and, from
-the GPU's global timer in every program, when each step ended (median and last program, us after the first
-program started). One rank: every counter is local, so this is the floor of each step, not its cost across
-NVLink.
+clear: what the dispatch receive does before copying rows); 5 the receive's finish (every program adds its
+share to RECEIVED). For each, the kernel time (torch.profiler over CUDA-graph replays) and, from the GPU's
+global timer in every program, when each step ended (median and last program, us after the first program
+started). One rank: every counter is local, so this is the floor of each step, not its cost across NVLink.
 """
 from __future__ import annotations
 
@@ -20,19 +18,18 @@ import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
 
 from deep_ep.transport.nvlink.intrinsics import clock_ns, popcount
-from deep_ep.transport.nvlink.sync import begin_send, claim_arrival, finish_receive, send_share, wait_for_senders
+from deep_ep.transport.nvlink.sync import (RECEIVED_UNIT, begin_send, claim_arrival, finish_receive, send_share,
+                                           wait_for_senders)
 
-STEPS = ("half free", "claim", "wait", "tables", "ticket")
+STEPS = ("half free", "claim", "wait", "tables", "finish")
 
 
 @triton.jit
-def _steps(bases_ptr, status_ptr, arrived_ptr, received_ptr, finished_ptr, table_ptr, info_ptr, count_ptr, stamps_ptr,
-           calls_ptr, experts, RN, timeout_ns, LAST: tl.constexpr, SEND: tl.constexpr, SHARES: tl.constexpr,
-           BLOCK_RN: tl.constexpr):
+def _steps(bases_ptr, status_ptr, arrived_ptr, received_ptr, table_ptr, info_ptr, count_ptr, stamps_ptr, experts, RN,
+           timeout_ns, LAST: tl.constexpr, SEND: tl.constexpr, BLOCK_RN: tl.constexpr):
     pid = tl.program_id(0)
     lanes = tl.arange(0, 1)
     tl.store(stamps_ptr + pid * 8, clock_ns())
-    received = tl.load(received_ptr)
     if SEND & (LAST >= 1):
         ranks, ok, bases = begin_send(bases_ptr, status_ptr, status_ptr, 0, 8, lanes, True, timeout_ns, status_ptr,
                                       1, False, False)
@@ -41,11 +38,8 @@ def _steps(bases_ptr, status_ptr, arrived_ptr, received_ptr, finished_ptr, table
             claim_arrival(bases, ranks & ok, send_share(tl.num_programs(0)), 0, 0)
             tl.store(stamps_ptr + pid * 8 + 2, clock_ns())
     if LAST >= 3:
-        counter = received_ptr
-        if SHARES:   # RECEIVED counts programs here; a torch op counts the calls
-            counter = calls_ptr
-        received, ok, _ = wait_for_senders(arrived_ptr, counter, status_ptr, status_ptr, status_ptr,
-                                           tl.num_programs(0), timeout_ns, status_ptr, 4, 1, False, False, False, 1)
+        ok, _ = wait_for_senders(arrived_ptr, received_ptr, status_ptr, status_ptr, status_ptr, tl.num_programs(0),
+                                 timeout_ns, status_ptr, 4, 1, False, False, False, 1)
         tl.store(stamps_ptr + pid * 8 + 3, clock_ns())
     if LAST >= 4:
         jo = tl.arange(0, BLOCK_RN)
@@ -58,22 +52,17 @@ def _steps(bases_ptr, status_ptr, arrived_ptr, received_ptr, finished_ptr, table
             tl.store(table + jo, tl.zeros([BLOCK_RN], tl.int32), mask=jo < RN)
         tl.store(stamps_ptr + pid * 8 + 4, clock_ns())
     if LAST >= 5:
-        if SHARES:
-            tl.debug_barrier()
-            tl.atomic_add(received_ptr, 1, sem="release", scope="sys")
-        else:
-            finish_receive(finished_ptr, received_ptr, received)
+        finish_receive(received_ptr)
         tl.store(stamps_ptr + pid * 8 + 5, clock_ns())
 
 
 def measure(last: int, programs: int = 128, warps: int = 8, experts: int = 288, rn: int = 256, send: bool = True,
-            shares: bool = False, replays: int = 200) -> str:
+            replays: int = 200) -> str:
     """One kernel configuration: its time and when each step ended. Without `send` a torch op adds the
-    arrivals the wait expects (the receive alone); `shares`: step 5 adds each program's share (see above)."""
-    area = torch.zeros(64, dtype=torch.int64, device="cuda")   # [ARRIVED, RECEIVED, calls, ...] of the one rank
+    arrivals the wait expects (the receive alone)."""
+    area = torch.zeros(64, dtype=torch.int64, device="cuda")   # [ARRIVED, RECEIVED, ...] of the one rank
     bases = torch.tensor([area.data_ptr()], dtype=torch.int64, device="cuda")
     status = torch.zeros(8, dtype=torch.int32, device="cuda")
-    finished = torch.zeros(1, dtype=torch.int64, device="cuda")
     table = torch.zeros(experts * rn, dtype=torch.int32, device="cuda")
     info = torch.empty(experts * rn, dtype=torch.int32, device="cuda")
     count = torch.empty(experts, dtype=torch.int32, device="cuda")
@@ -82,11 +71,11 @@ def measure(last: int, programs: int = 128, warps: int = 8, experts: int = 288, 
     def launch() -> None:
         if not send:
             area[0:1].add_(programs)
-        _steps[(programs,)](bases, status, area[0:1], area[1:2], finished, table, info, count, stamps, area[2:3],
-                            experts, rn, 10 ** 9, LAST=last, SEND=send, SHARES=shares,
-                            BLOCK_RN=triton.next_power_of_2(rn), num_warps=warps, launch_cooperative_grid=True)
-        if 3 <= last < 5 or shares:   # nothing else publishes RECEIVED (or counts the calls)
-            (area[2:3] if shares else area[1:2]).add_(1)
+        _steps[(programs,)](bases, status, area[0:1], area[1:2], table, info, count, stamps, experts, rn,
+                            10 ** 9, LAST=last, SEND=send, BLOCK_RN=triton.next_power_of_2(rn), num_warps=warps,
+                            launch_cooperative_grid=True)
+        if 3 <= last < 5:   # nothing else publishes RECEIVED
+            area[1:2].add_(RECEIVED_UNIT.value)
 
     for _ in range(5):
         launch()
@@ -106,7 +95,7 @@ def measure(last: int, programs: int = 128, warps: int = 8, experts: int = 288, 
     after = (stamps[:, 1:6] - stamps[:, 0].min()).float().cpu() / 1000
     ended = "  ".join(f"{STEPS[i]} {after[:, i].median():4.2f}/{after[:, i].max():4.2f}"
                       for i in range(last) if send or i >= 2)
-    shape = f"{programs} x {warps} warps{'' if send else ', receive only'}{', shares' if shares else ''}"
+    shape = f"{programs} x {warps} warps{'' if send else ', receive only'}"
     return f"step {last}, {shape}: kernel {kernel[0]:5.2f}  {ended}"
 
 
@@ -117,7 +106,6 @@ def main() -> None:
     for last in range(6):
         print(measure(last), flush=True)
     print(measure(5, send=False))
-    print(measure(5, shares=True))
     print(measure(4, rn=2048))
 
 

@@ -33,7 +33,7 @@ ACCESS = re.compile(r"\b(ld|st)\.global(?:\.[a-z0-9_:]+)*?(?:\.v([248]))?\.[bfsu
 POINTERS = {"x_ptr": "*bf16", "rows_ptr": "*bf16", "out_ptr": "*bf16", "bias0_ptr": "*bf16", "bias1_ptr": "*bf16",
             "idx_ptr": "*i64", "out_idx_ptr": "*i64", "weights_ptr": "*fp32", "out_weights_ptr": "*fp32",
             "in_rank_ptr": "*i8", "bases_ptr": "*i64", "arrived_ptr": "*i64", "received_ptr": "*i64",
-            "finished_ptr": "*i64", "stats_ptr": "*i64", "layout_ptr": "*i64"}   # others: *i32
+            "stats_ptr": "*i64", "layout_ptr": "*i64"}   # others: *i32
 
 
 def _ptx(kernel, num_warps: int, constexprs: Dict[str, object], divisible: Iterable[str] = (),

@@ -3,10 +3,10 @@
 
 Areas of one buffer half, identical in every rank's low-latency buffer (byte offsets from the host):
   ARRIVED[src]     int64 (signal area, shared with the dispatch): arrivals claimed by send programs of `src`
-  RECEIVED         int64 (signal area): calls on this half whose receive has finished here
+  RECEIVED         int64 (signal area): RECEIVED_UNIT per call received on this half (as in the dispatch)
   ROWS[t * K + k]  bf16 [H]: the expert output for this rank's selection (token t, top-k slot k)
 Send (NUM_SENDERS programs over blocks of received rows, all local experts laid end to end): a program with
-  rows (program 0 also without) waits until RECEIVED of every unmasked rank is at least this rank's (as in
+  rows (program 0 also without) waits until every unmasked rank has received as many calls as this rank (as in
   the dispatch). Row j of local expert e came from (source s, token t, slot k), as the dispatch's route
   table says; store x[e, j] into ROWS[t * K + k] of rank s unless s is masked. With LogFMT the row is first
   rounded to what a LogFMT-10 receiver decodes (deep_ep.fp8.logfmt_roundtrip's rules, computed here); it
@@ -20,12 +20,12 @@ Without a hook and without LogFMT (OWN_FROM_X) the send skips the rows of this r
   receive reads OWN without waiting for the ids; entries a timed-out dispatch receive did not write are
   undefined and only bounded to x.
 Receive (programs over (token, chunk of CHUNK channels) items): wait until ARRIVED[r] >= NUM_SENDERS *
-  (RECEIVED + 1) for every unmasked rank r; load the chunk of every one of the token's K rows (used or
+  (calls received + 1) for every unmasked rank r; load the chunk of every one of the token's K rows (used or
   not, so the loads need not wait for the ids; an unused slot's stale values are dropped), then
   out[t] = bf16(acc) with acc = 0; for k ascending over valid selections whose rank is not masked:
   acc = f32(acc + f32(w[t, k] * row k)), row k being ROWS[t * K + k] (or the own row in x), the
-  reference's rounding (compiled without fused multiply-adds). The last program to finish publishes
-  RECEIVED + 1.
+  reference's rounding (compiled without fused multiply-adds). Every program then adds its share of
+  RECEIVED_UNIT to RECEIVED.
 Timeouts as in the dispatch (ll_dispatch.py); in shrink mode the selections of a rank masked by a timeout of
   the receive contribute nothing.
 """
@@ -123,7 +123,7 @@ def _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_
 
 
 @triton.jit
-def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
+def _receive(rows_ptr, arrived_ptr, received_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
              stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns,
              H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
@@ -133,9 +133,8 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
     pid = tl.program_id(0)
     ko = tl.arange(0, BLOCK_K)
     co = tl.arange(0, CHUNK)
-    received, ok, sources = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders,
-                                             timeout_ns, status_ptr, WAIT_LL_COMBINE, R, HAS_MASK, AUTO_MASK,
-                                             HAS_STATS, BLOCK_R)
+    ok, sources = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns,
+                                   status_ptr, WAIT_LL_COMBINE, R, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_R)
     if ok:
         # contiguous items per program: a token's chunks mostly stay in one program (its ids and weights
         # are then read from L1 after the first chunk)
@@ -168,7 +167,7 @@ def _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights
                 values = tl.load(row + ho, mask=ho < H, other=0.0)
                 acc = acc + tl.where(use, w * values.to(tl.float32), 0.0)
             tl.store(out_ptr + tl.cast(t, tl.int64) * H + ho, to_bf16(acc), mask=ho < H)
-    finish_receive(finished_ptr, received_ptr, received)
+    finish_receive(received_ptr)
 
 
 # ---- kernels: send (returns at once), receive (the hook), and both in one launch when there is no hook -----
@@ -185,14 +184,14 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, sh
 
 
 @triton.jit
-def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr,
+def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, idx_ptr, weights_ptr, mask_ptr,
                            shrink_ptr, out_ptr, stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens,
                            x_expert_stride, x_row_stride, num_tokens, num_experts, experts_per_rank, num_senders,
                            timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
                            AUTO_MASK: tl.constexpr, HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr):
-    _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
+    _receive(rows_ptr, arrived_ptr, received_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
              stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, AUTO_MASK, HAS_STATS, CHUNK,
              BLOCK_K, BLOCK_R, OWN_FROM_X)
@@ -202,7 +201,7 @@ def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, finished_ptr, id
 def ll_combine_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank,
                       experts_per_rank, num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset,
                       received_offset, timeout_ns,
-                      rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, out_ptr, stats_ptr,
+                      rows_ptr, arrived_ptr, received_ptr, idx_ptr, weights_ptr, out_ptr, stats_ptr,
                       num_tokens, num_experts, num_senders,
                       H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
                       AUTO_MASK: tl.constexpr,
@@ -213,7 +212,7 @@ def ll_combine_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_
     _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank, experts_per_rank,
           num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
           H, K, R, HAS_MASK, AUTO_MASK, LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
-    _receive(rows_ptr, arrived_ptr, received_ptr, finished_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
+    _receive(rows_ptr, arrived_ptr, received_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
              stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, AUTO_MASK, HAS_STATS, CHUNK,
              BLOCK_K, BLOCK_R, OWN_FROM_X)

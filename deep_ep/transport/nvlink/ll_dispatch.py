@@ -4,11 +4,12 @@ kernel does both.
 
 Areas of one buffer half, identical in every rank's low-latency buffer (byte offsets from the host):
   ARRIVED[src]         int64 (signal area): arrivals claimed by send programs of `src`, NUM_SENDERS per call
-  RECEIVED             int64 (signal area): calls on this half whose receive has finished here
+  RECEIVED             int64 (signal area): RECEIVED_UNIT (sync.py) per call on this half whose receive has
+                       finished here; "calls received" below is RECEIVED // RECEIVED_UNIT
   MASKS[e][src][t]     int32: bit k set when token t of rank `src` selected local expert e in top-k slot k
   SLOTS[src][t]        token t of rank `src`: [payload words | scale words], 16-byte aligned
 Send (NUM_SENDERS programs; token t by program t mod NUM_SENDERS): a program with a token (program 0 also
-  without) waits until RECEIVED of every unmasked rank is at least this rank's (it has read what the
+  without) waits until every unmasked rank has received as many calls as this rank (it has read what the
   previous call on this half left there; the combine waits the same way). Load the row, cast it to e4m3
   once if asked, then store it once into SLOTS[me][t] of every unmasked rank d that holds one of the token's
   valid experts (not once per expert: a rank with several of the token's experts gets one copy), and for
@@ -18,13 +19,13 @@ Send (NUM_SENDERS programs; token t by program t mod NUM_SENDERS): a program wit
   adding shares that sum to NUM_SENDERS (sync.send_share) to ARRIVED[me] of every unmasked rank (release,
   after a barrier over the program's stores), so a few tokens cost the peers' counters a few atomics, not
   NUM_SENDERS.
-Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (RECEIVED + 1) for every
+Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (calls received + 1) for every
   unmasked source s (counters only grow; a half serves dispatches and combines alike). Expand MASKS[e] in
   the order (source, token, slot), the reference order, into output rows: row p of expert e copies
   SLOTS[s][t] of its token (a token that lists e twice gets two rows), src_info[e, p] = t and route[e, p] =
   (s, t * K + k) for the combine, and for this rank's own tokens OWN[t * K + k] = e * R * N + p (after the
   E_loc * R * N route entries); then layout_range, recv_count, and MASKS[e] cleared for the next use of the
-  half. The last program to finish publishes RECEIVED + 1.
+  half. Every program then adds its share of RECEIVED_UNIT to RECEIVED (release; the shares sum to it).
 A wait that exceeds the timeout records (code, peer) in the host-visible status and skips the copies (a
 timed-out receive leaves empty outputs; a timed-out sender claims no arrival). In shrink mode the rank waited
 for is masked instead, and the call goes on without it (sync.py). An expert sent more rows than its R * N (only
@@ -157,7 +158,7 @@ def _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr
 
 
 @triton.jit
-def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
+def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K: tl.constexpr, R: tl.constexpr, XW: tl.constexpr,
              SW: tl.constexpr, SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
@@ -165,9 +166,8 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
              BLOCK_S: tl.constexpr, ROWS: tl.constexpr, AHEAD: tl.constexpr):
     pid = tl.program_id(0)
     ro = tl.arange(0, BLOCK_R)
-    received, ok, sources = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders,
-                                             timeout_ns, status_ptr, WAIT_LL_DISPATCH, R, HAS_MASK, AUTO_MASK,
-                                             HAS_STATS, BLOCK_R)
+    ok, sources = wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns,
+                                   status_ptr, WAIT_LL_DISPATCH, R, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_R)
     if ok:
         RN = R * num_max_tokens
         jo = tl.arange(0, BLOCK_RN)            # entry j = source * N + token
@@ -236,7 +236,7 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask
         for e in range(pid, experts_per_rank, tl.num_programs(0)):
             tl.store(layout_ptr + e * R + ro, tl.zeros([BLOCK_R], tl.int64), mask=ro < R)
             tl.store(count_ptr + e, 0)
-    finish_receive(finished_ptr, received_ptr, received)
+    finish_receive(received_ptr)
 
 
 # ---- kernels: send (returns at once), receive (the hook), and both in one launch when there is no hook -----
@@ -256,14 +256,14 @@ def ll_dispatch_send_kernel(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shri
 
 
 @triton.jit
-def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr,
+def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, mask_ptr, shrink_ptr,
                             stats_ptr, status_ptr, out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr,
                             count_ptr, rank, experts_per_rank, num_max_tokens, num_senders, timeout_ns, K: tl.constexpr,
                             R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr,
                             HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
                             BLOCK_RN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
                             ROWS: tl.constexpr, AHEAD: tl.constexpr):
-    _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
+    _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_RN,
              BLOCK_R, BLOCK_X, BLOCK_S, ROWS, AHEAD)
@@ -273,7 +273,7 @@ def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, fin
 def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
                        experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset,
                        received_offset, timeout_ns,
-                       masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, stats_ptr,
+                       masks_ptr, slots_ptr, arrived_ptr, received_ptr, stats_ptr,
                        out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, num_senders,
                        H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
                        ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
@@ -287,7 +287,7 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, shrink_ptr, status_p
     _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
           experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
           H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
-    _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, finished_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
+    _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_RN,
              BLOCK_R, BLOCK_X, BLOCK_S, ROWS, AHEAD)

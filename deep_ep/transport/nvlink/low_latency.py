@@ -123,7 +123,6 @@ class NVLinkLowLatency:
         self.topology, self.device, self.status, self.timeout_ns = topology, area.device, status, timeout_ns
         self.auto_mask = auto_mask
         self.area, self.peers, self.num_sms = area, peers, num_sms
-        self.finished = torch.zeros(2, dtype=torch.int64, device=area.device)   # programs done with a receive
         # send and receive in one kernel when there is no hook: its programs wait for each other, so they are
         # launched as a cooperative grid (all of them run at once, or the launch waits), which needs one
         # program per SM and a Triton that can ask for it
@@ -193,11 +192,11 @@ class NVLinkLowLatency:
             AUTO_MASK=has_mask and self.auto_mask,
             BLOCK_H=block_h, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
             BLOCK_G=block_h // (512 if options.use_ue8m0 else 128) if options.use_fp8 else 1)
-        arrived, received, finished = self._counters(geometry, half)
+        arrived, received = self._counters(geometry)
         receive_only = dict(
             masks_ptr=self._view(geometry.masks, geometry.masks_bytes, torch.int32),
             slots_ptr=self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.int32), arrived_ptr=arrived,
-            received_ptr=received, finished_ptr=finished, num_senders=NUM_SENDERS, HAS_STATS=has_stats,
+            received_ptr=received, num_senders=NUM_SENDERS, HAS_STATS=has_stats,
             BLOCK_RN=_next_pow2(slots), BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)),
             ROWS=RECV_ROWS)
         from .ll_dispatch import ll_dispatch_kernel, ll_dispatch_recv_kernel, ll_dispatch_send_kernel
@@ -258,11 +257,10 @@ class NVLinkLowLatency:
             receive(*outputs)
         return output, receive_step
 
-    def _counters(self, geometry: _Geometry, half: int):
-        """ARRIVED and RECEIVED of a half (local views) and its count of finished receive programs."""
+    def _counters(self, geometry: _Geometry):
+        """ARRIVED and RECEIVED of a half (local views)."""
         R = self.topology.num_ranks
-        return (self._view(geometry.arrived, 8 * R, torch.int64), self._view(geometry.received, 8, torch.int64),
-                self.finished[half:half + 1])
+        return self._view(geometry.arrived, 8 * R, torch.int64), self._view(geometry.received, 8, torch.int64)
 
     def _remember(self, src_info: torch.Tensor, route: torch.Tensor, topk: int) -> None:
         key = id(src_info)
@@ -329,12 +327,12 @@ class NVLinkLowLatency:
             LOGFMT=use_logfmt, BLOCK_H=block_h,
             BLOCK_E=_next_pow2(experts_per_rank), BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS,
             OWN_FROM_X=own_from_x)
-        arrived, received, finished = self._counters(geometry, half)
+        arrived, received = self._counters(geometry)
         # a receive program sums one chunk of a token's K rows, loaded at once (COMBINE_TILE values)
         chunk = min(_next_pow2(hidden), max(128, COMBINE_TILE // _next_pow2(topk)))
         receive_only = dict(
             rows_ptr=self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.bfloat16), arrived_ptr=arrived,
-            received_ptr=received, finished_ptr=finished, num_experts=num_experts, num_senders=NUM_SENDERS,
+            received_ptr=received, num_experts=num_experts, num_senders=NUM_SENDERS,
             HAS_STATS=has_stats, CHUNK=chunk, BLOCK_K=_next_pow2(topk))
         from .ll_combine import ll_combine_kernel, ll_combine_recv_kernel, ll_combine_send_kernel
         # (the receive and the fused kernel are compiled without FMA, as the reference sums)
@@ -356,7 +354,6 @@ class NVLinkLowLatency:
             geometry = _Geometry(R, num_max_tokens, hidden, num_experts, half)
             self.area[geometry.signal:geometry.signal + 8 * R + 8].zero_()
             self.area[geometry.masks:geometry.masks + geometry.masks_bytes].zero_()
-        self.finished.zero_()
         if self.area.is_cuda:
             torch.cuda.synchronize(self.device)
 

@@ -1,5 +1,5 @@
-"""Counters between ranks: int64 words that only grow, written with release stores and read with acquire loads
-at system scope, and bounded spins.
+"""Counters between ranks: int64 words that only grow, written with release stores or atomic adds and read with
+acquire loads at system scope, and bounded spins.
 
 A wait gives up after `timeout_ns` (measured with the GPU's global timer): it records (code, peer) in the
 host-visible status words and returns False; the host turns that into an error naming rank and peer. A
@@ -38,6 +38,10 @@ WAIT_LL_FREE = tl.constexpr(6)
 WAIT_FREE = tl.constexpr(7)
 NO_PEER = tl.constexpr(1 << 30)
 STALE_NS = tl.constexpr(1_000_000)   # how long a wait runs before it also looks for an earlier timeout
+# a low-latency half's RECEIVED grows by this per call: every receive program adds its share (finish_receive),
+# and readers count the calls as RECEIVED // RECEIVED_UNIT (a call whose programs have not all added counts
+# as not received)
+RECEIVED_UNIT = tl.constexpr(1 << 20)
 
 
 @triton.jit
@@ -211,21 +215,21 @@ def report_bad_ids(status_ptr, bad, ids):
 
 @triton.jit
 def calls_received(received_ptr):
-    """RECEIVED of a low-latency half (the calls it has received), read with an acquire atomic, as the waits
-    read the other counters: a plain load may be served from this SM's L1, which atomics elsewhere do not
-    update."""
-    return tl.atomic_add(received_ptr, 0, sem="acquire", scope="sys")
+    """The calls a low-latency half has received: RECEIVED // RECEIVED_UNIT, RECEIVED read with an acquire
+    atomic, as the waits read the other counters: a plain load may be served from this SM's L1, which atomics
+    elsewhere do not update, and receive programs add their shares to RECEIVED as they finish."""
+    return tl.atomic_add(received_ptr, 0, sem="acquire", scope="sys") // RECEIVED_UNIT
 
 
 @triton.jit
 def wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, num_senders, timeout_ns, status_ptr,
                      code, R: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
                      HAS_STATS: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The start of a low-latency receive program: wait until ARRIVED[s] >= num_senders * (RECEIVED + 1) for
-    every source s its shrink mask leaves open (AUTO_MASK: a source given up on is masked, wait_ranks); with
-    HAS_STATS, program 0 adds to stats[s] how long source s was waited for (also for a source given up on).
-    Returns (RECEIVED, ok, the sources it did not give up on as rank_bits), after a barrier (every thread's
-    later reads follow the wait)."""
+    """The start of a low-latency receive program: wait until ARRIVED[s] >= num_senders * (calls received + 1)
+    for every source s its shrink mask leaves open (AUTO_MASK: a source given up on is masked, wait_ranks);
+    with HAS_STATS, program 0 adds to stats[s] how long source s was waited for (also for a source given up
+    on). Returns (ok, the sources it did not give up on as rank_bits), after a barrier (every thread's later
+    reads follow the wait)."""
     lanes = tl.arange(0, BLOCK_R)
     received = calls_received(received_ptr)
     sources = open_ranks(mask_ptr, lanes, R, HAS_MASK)
@@ -235,7 +239,7 @@ def wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr,
         if tl.program_id(0) == 0:
             tl.atomic_add(stats_ptr + lanes, waited, mask=sources, sem="relaxed")
     tl.debug_barrier()
-    return received, ok, rank_bits(still_open, lanes)
+    return ok, rank_bits(still_open, lanes)
 
 
 @triton.jit
@@ -298,7 +302,7 @@ def wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, s
     calls on this half as this rank has (RECEIVED at `received_offset` of each buffer), so nothing it has not
     read yet is overwritten. Returns (ranks still open, ok, bases) (wait_ranks; bases: the buffer addresses of
     `ranks`)."""
-    own = calls_received((tl.load(bases_ptr + rank) + received_offset).to(tl.pointer_type(tl.int64)))
+    own = calls_received((tl.load(bases_ptr + rank) + received_offset).to(tl.pointer_type(tl.int64))) * RECEIVED_UNIT
     bases = tl.load(bases_ptr + lanes, mask=ranks, other=0)
     ranks, ok, _ = wait_ranks((bases + received_offset).to(tl.pointer_type(tl.int64)), own, ranks, lanes, timeout_ns,
                               status_ptr, WAIT_LL_FREE, mask_ptr, shrink_ptr, AUTO_MASK)
@@ -320,11 +324,15 @@ def is_last_program(ticket_ptr):
 
 
 @triton.jit
-def finish_receive(finished_ptr, received_ptr, received):
-    """The last program of a low-latency receive kernel to get here publishes RECEIVED = received + 1
-    (release: every program's reads of the half came first)."""
-    if is_last_program(finished_ptr):
-        tl.atomic_xchg(received_ptr, received + 1, sem="release", scope="sys")
+def finish_receive(received_ptr):
+    """The end of every low-latency receive program: add its share of RECEIVED_UNIT to RECEIVED (the shares of
+    the grid's programs sum to it; release, after a barrier over every thread's reads of the half), so that
+    RECEIVED reaches the next multiple once every program is done, without a ticket."""
+    pid = tl.program_id(0).to(tl.int64)
+    grid = tl.num_programs(0)
+    share = RECEIVED_UNIT * (pid + 1) // grid - RECEIVED_UNIT * pid // grid
+    tl.debug_barrier()
+    tl.atomic_add(received_ptr, share, sem="release", scope="sys")
 
 
 @triton.jit
