@@ -445,12 +445,11 @@ class ReferenceTransport(Transport):
         combined_weights = None
         if topk_weights is not None:
             combined_weights = torch.zeros((num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
-        values = values.float()
-        bounds = [0, *itertools.accumulate(send_back)]
+        bounds = [0, *itertools.accumulate(send_back)]   # (rows go to f32 one source at a time: less memory)
         if not topo.is_internode:
             for d in range(topo.num_ranks):
                 part = slice(bounds[d], bounds[d + 1])
-                combined.index_add_(0, token[part], values[part])
+                combined.index_add_(0, token[part], values[part].float())
                 if weights is not None:
                     combined_weights.index_add_(0, token[part], weights[part])
         else:
@@ -460,7 +459,7 @@ class ReferenceTransport(Transport):
                 partial_weights = None if weights is None else torch.zeros_like(combined_weights)
                 for d in range(n * topo.ranks_per_node, (n + 1) * topo.ranks_per_node):
                     part = slice(bounds[d], bounds[d + 1])
-                    partial.index_add_(0, token[part], values[part])
+                    partial.index_add_(0, token[part], values[part].float())
                     if weights is not None:
                         partial_weights.index_add_(0, token[part], weights[part])
                 hit = in_node[:, n].nonzero(as_tuple=True)[0]
