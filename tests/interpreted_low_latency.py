@@ -15,6 +15,7 @@ from deep_ep.config import low_latency_size_hint
 from deep_ep.group import Topology
 from deep_ep.transport.base import LowLatencyOptions
 from deep_ep.transport.nvlink import low_latency as ll
+from deep_ep.transport.nvlink import sync
 from deep_ep.transport.nvlink.low_latency import NVLinkLowLatency
 
 
@@ -116,6 +117,11 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent
             src = sources[s]
             expected = M.combine(s, src.topk_idx, src.topk_weights, rows[s], expert_outputs, e_loc, masks)
             check(errors, f"R={R} K={K} round {i} rank {s} combine (hook={hook})", combined[s], expected)
+    for r in calling:   # every call's receive programs added shares summing to one unit (dispatch: half 0)
+        for half in (0, 1):
+            received = ranks[r]._counters(ll._Geometry(R, N, H, E, half))[1]
+            check(errors, f"R={R} rank {r}: RECEIVED of half {half}", received,
+                  torch.tensor([rounds * sync.RECEIVED_UNIT.value], dtype=torch.int64))
     if automatic:
         gone = torch.tensor([int(g == masked) for g in range(R)], dtype=torch.int32)
         for r in calling:
@@ -190,6 +196,8 @@ if __name__ == "__main__":
         failures += run(2, N=8, H=256, K=4, E=16, rounds=2, masked=-1, seed=seed)
     finally:
         ll.NUM_SENDERS = senders
+    # three local experts: three receive programs, whose shares of RECEIVED_UNIT differ
+    failures += run(2, N=8, H=256, K=3, E=6, rounds=2, masked=-1, seed=seed)
     # a rank that never calls: masked by hand, and masked by the others' timeouts
     failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True, seed=seed)
     failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True, automatic=True, seed=seed)

@@ -1082,6 +1082,24 @@ def test_nvlink_shrink_mode_refuses_more_ranks_than_its_rank_bits_hold():
         build(limit + 1, True)
 
 
+def test_nvlink_low_latency_refuses_receive_grids_larger_than_the_finish_unit():
+    """Every receive program adds a share of RECEIVED_UNIT of at least 1 (sync.finish_receive), so a grid
+    may have at most RECEIVED_UNIT programs."""
+    from types import SimpleNamespace
+    from deep_ep.group import Topology
+    from deep_ep.transport.nvlink.low_latency import RECV_PROGRAMS_PER_SM, NVLinkLowLatency
+    from deep_ep.transport.nvlink.sync import RECEIVED_UNIT
+    peers = SimpleNamespace(bases=torch.zeros(2, dtype=torch.int64))
+    most = RECEIVED_UNIT.value // RECV_PROGRAMS_PER_SM
+
+    def build(num_sms: int) -> NVLinkLowLatency:
+        return NVLinkLowLatency(Topology(0, 2, 2), torch.zeros(64, dtype=torch.uint8), peers,
+                                torch.zeros(6, dtype=torch.int32), 10 ** 9, num_sms)
+    build(most)
+    with pytest.raises(ValueError, match=f"num_sms.*{most + 1} SMs.*at most {RECEIVED_UNIT.value}"):
+        build(most + 1)
+
+
 def test_low_latency_in_deterministic_mode(pool):
     """The 2-rank cases and the pipeline with torch's deterministic algorithms on and new tensors filled with
     NaN / the largest integer (the transport may rely on no value of memory it did not write)."""

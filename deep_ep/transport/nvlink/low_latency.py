@@ -120,6 +120,10 @@ class NVLinkLowLatency:
             raise ValueError(f"enable_shrink: the NVLink low-latency kernels keep the ranks a call exchanges with as "
                              f"the bits of an int64, so at most {MAX_SHRINK_RANKS} ranks; this group has "
                              f"{topology.num_ranks} (transport='reference' has no such limit)")
+        from .sync import RECEIVED_UNIT
+        if RECV_PROGRAMS_PER_SM * num_sms > RECEIVED_UNIT.value:
+            raise ValueError(f"num_sms: a GPU of {num_sms} SMs would launch low-latency receive grids of up to "
+                             f"{RECV_PROGRAMS_PER_SM * num_sms} programs; at most {RECEIVED_UNIT.value} are supported")
         self.topology, self.device, self.status, self.timeout_ns = topology, area.device, status, timeout_ns
         self.auto_mask = auto_mask
         self.area, self.peers, self.num_sms = area, peers, num_sms

@@ -40,8 +40,10 @@ NO_PEER = tl.constexpr(1 << 30)
 STALE_NS = tl.constexpr(1_000_000)   # how long a wait runs before it also looks for an earlier timeout
 # a low-latency half's RECEIVED grows by this per call: every receive program adds its share (finish_receive),
 # and readers count the calls as RECEIVED // RECEIVED_UNIT (a call whose programs have not all added counts
-# as not received)
-RECEIVED_UNIT = tl.constexpr(1 << 20)
+# as not received). Every share must be at least 1 (a program that added nothing could read its own call as
+# received), so a receive grid has at most RECEIVED_UNIT programs (NVLinkLowLatency checks its largest); an
+# int64 holds 2^47 calls
+RECEIVED_UNIT = tl.constexpr(1 << 16)
 
 
 @triton.jit
