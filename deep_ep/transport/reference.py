@@ -573,13 +573,15 @@ class ReferenceTransport(Transport):
         num_ranks = topo.num_ranks
         experts_per_rank, hidden = x.shape[0], x.shape[2]
         num_experts = experts_per_rank * num_ranks
-        self._agree("low_latency_combine", dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
-                                       use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]), ranks=ranks)
         counts = (layout_range & 0xFFFFFFFF).cpu()                                        # [E_loc, R]
         begins = (layout_range >> 32).cpu()
-        # rows to return, grouped by source rank, then local expert (each block in slot order)
-        expert_ids, positions = [], []
         per_source = counts.sum(0)
+        # every rank's rows per destination travel with the header: what comes back here is column `rank`
+        gathered = self._agree("low_latency_combine", dict(
+            hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
+            use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]), extra=per_source, ranks=ranks)
+        recv_splits = gathered[:, topo.rank].tolist()
+        # rows to return, grouped by source rank, then local expert (each block in slot order)
         flat_counts = counts.t().flatten()                                                # [R * E_loc] source-major
         flat_begins = begins.t().flatten()
         expert_of_block = torch.arange(experts_per_rank, device="cpu").repeat(num_ranks)
@@ -591,26 +593,23 @@ class ReferenceTransport(Transport):
         rows = x[expert_ids, positions]
         if use_logfmt:
             rows = logfmt_roundtrip(rows)
+        # one exchange: decode-sized rows cost less to pack than a second collective
         packer = _Packer()
+        packer.add("x", rows)
         packer.add("token", src_info[expert_ids, positions])
         packer.add("expert", (expert_ids + topo.rank * experts_per_rank).to(torch.int32))
-        send_splits = per_source.tolist()
-        recv_splits = self._exchange_counts(per_source.view(num_ranks, 1), "low_latency_combine (count exchange)",
-                                            ranks).view(-1).tolist()
-        pending_x = self._exchange_rows(rows, send_splits, recv_splits, "low_latency_combine (data exchange)", ranks)
-        pending = self._exchange_rows(packer.pack(total, x.device), send_splits, recv_splits,
+        pending = self._exchange_rows(packer.pack(total, x.device), per_source.tolist(), recv_splits,
                                       "low_latency_combine (data exchange)", ranks)
         num_tokens = topk_idx.shape[0]
 
         def receive() -> None:
             started = _now_ns()
             received = pending.wait()
-            received_x = pending_x.wait()
             waited = _now_ns() - started
             back = packer.unpack(received)
             token = back["token"].long().to(out.device)
             expert = back["expert"].long().to(out.device)
-            values = received_x.to(out.device)
+            values = back["x"].to(out.device)
             # look up the row of every (token, slot) selection by its key expert * N + token (N bounds the
             # dispatched tokens; the combine may pass fewer)
             keys = expert * num_max_tokens + token
@@ -631,13 +630,16 @@ class ReferenceTransport(Transport):
             if want.numel() and (sorted_keys.numel() == 0 or not torch.equal(sorted_keys[where], want)):
                 raise ValueError("low_latency_combine: topk_idx names an expert that the matching low_latency_dispatch "
                                  "did not send the token to; pass the dispatch's topk_idx (entries may only become -1)")
-            row_of = torch.full(valid.shape, -1, dtype=torch.int64, device=out.device)
+            # an unused selection reads a zero row with weight +0: it adds +0, which changes nothing (the sum
+            # starts at +0 and so never becomes -0)
+            rows = torch.cat([values, values.new_zeros((1, hidden))])
+            row_of = torch.full(valid.shape, values.shape[0], dtype=torch.int64, device=out.device)
             row_of[token_of, slot_of] = order[where]
+            weights = torch.where(valid, topk_weights.float(), 0.0)
             # fixed order: ascending top-k slot, one slot's rows at a time (a [tokens, top-k, hidden] f32 tensor
-            # would take about 1 GB at 1024 tokens, top-32, hidden 7168); a skipped selection would add +0
+            # would take about 1 GB at 1024 tokens, top-32, hidden 7168)
             for k in range(topk_idx.shape[1]):
-                tokens_k = valid[:, k].nonzero(as_tuple=True)[0]
-                accumulator[tokens_k] += values[row_of[tokens_k, k]].float() * topk_weights[tokens_k, k, None]
+                accumulator += rows.index_select(0, row_of[:, k]).float() * weights[:, k, None]
             out.copy_(accumulator.to(torch.bfloat16))
             if wait_stats is not None:
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
