@@ -593,23 +593,25 @@ class ReferenceTransport(Transport):
         rows = x[expert_ids, positions]
         if use_logfmt:
             rows = logfmt_roundtrip(rows)
-        # one exchange: decode-sized rows cost less to pack than a second collective
         packer = _Packer()
-        packer.add("x", rows)
         packer.add("token", src_info[expert_ids, positions])
         packer.add("expert", (expert_ids + topo.rank * experts_per_rank).to(torch.int32))
-        pending = self._exchange_rows(packer.pack(total, x.device), per_source.tolist(), recv_splits,
+        send_splits = per_source.tolist()
+        # the rows travel alone (no packing copy), the small per-row fields packed beside them
+        pending_x = self._exchange_rows(rows, send_splits, recv_splits, "low_latency_combine (data exchange)", ranks)
+        pending = self._exchange_rows(packer.pack(total, x.device), send_splits, recv_splits,
                                       "low_latency_combine (data exchange)", ranks)
         num_tokens = topk_idx.shape[0]
 
         def receive() -> None:
             started = _now_ns()
             received = pending.wait()
+            received_x = pending_x.wait()
             waited = _now_ns() - started
             back = packer.unpack(received)
             token = back["token"].long().to(out.device)
             expert = back["expert"].long().to(out.device)
-            values = back["x"].to(out.device)
+            values = received_x.to(out.device)
             # look up the row of every (token, slot) selection by its key expert * N + token (N bounds the
             # dispatched tokens; the combine may pass fewer)
             keys = expert * num_max_tokens + token
