@@ -634,14 +634,14 @@ class ReferenceTransport(Transport):
                                  "did not send the token to; pass the dispatch's topk_idx (entries may only become -1)")
             # an unused selection reads a zero row with weight +0: it adds +0, which changes nothing (the sum
             # starts at +0 and so never becomes -0)
-            rows = torch.cat([values, values.new_zeros((1, hidden))])
+            padded = torch.cat([values, values.new_zeros((1, hidden))])
             row_of = torch.full(valid.shape, values.shape[0], dtype=torch.int64, device=out.device)
             row_of[token_of, slot_of] = order[where]
             weights = torch.where(valid, topk_weights.float(), 0.0)
             # fixed order: ascending top-k slot, one slot's rows at a time (a [tokens, top-k, hidden] f32 tensor
             # would take about 1 GB at 1024 tokens, top-32, hidden 7168)
             for k in range(topk_idx.shape[1]):
-                accumulator += rows.index_select(0, row_of[:, k]).float() * weights[:, k, None]
+                accumulator += padded.index_select(0, row_of[:, k]).float() * weights[:, k, None]
             out.copy_(accumulator.to(torch.bfloat16))
             if wait_stats is not None:
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
