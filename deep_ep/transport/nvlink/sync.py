@@ -266,13 +266,20 @@ def in_rank_bits(bits, ranks):
 
 
 @triton.jit
+def even_share(total, part, parts):
+    """Part `part` of `total` split into `parts` nearly equal integers that sum to it exactly (int64: total *
+    parts may not fit an int32)."""
+    part = part.to(tl.int64)
+    return total * (part + 1) // parts - total * part // parts
+
+
+@triton.jit
 def send_share(senders):
     """How many of the grid's arrivals this send program claims: the first `senders` programs (those with
     something to send, at least one) claim them all between them, so a receiver always counts NUM_SENDERS
     (the grid) per source and call, while the programs with nothing to send touch no peer's counters."""
     pid = tl.program_id(0)
-    grid = tl.num_programs(0)
-    return tl.where(pid < senders, (grid * (pid + 1)) // senders - (grid * pid) // senders, 0)
+    return tl.where(pid < senders, even_share(tl.num_programs(0), pid, senders), 0)
 
 
 @triton.jit
@@ -330,9 +337,7 @@ def finish_receive(received_ptr):
     """The end of every low-latency receive program: add its share of RECEIVED_UNIT to RECEIVED (the shares of
     the grid's programs sum to it; release, after a barrier over every thread's reads of the half), so that
     RECEIVED reaches the next multiple once every program is done, without a ticket."""
-    pid = tl.program_id(0).to(tl.int64)
-    grid = tl.num_programs(0)
-    share = RECEIVED_UNIT * (pid + 1) // grid - RECEIVED_UNIT * pid // grid
+    share = even_share(RECEIVED_UNIT, tl.program_id(0), tl.num_programs(0))
     tl.debug_barrier()
     tl.atomic_add(received_ptr, share, sem="release", scope="sys")
 
