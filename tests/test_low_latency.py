@@ -1063,41 +1063,36 @@ def test_nvlink_masking_is_reported_as_a_warning_at_the_callers_line():
     assert not words.any()
 
 
+def _nvlink_low_latency(num_ranks: int, num_sms: int = 1, auto_mask: bool = False):
+    """An NVLinkLowLatency of rank 0 on CPU tensors, for the checks its constructor makes (no kernel runs)."""
+    from types import SimpleNamespace
+    from deep_ep.group import Topology
+    from deep_ep.transport.nvlink.low_latency import NVLinkLowLatency
+    peers = SimpleNamespace(bases=torch.zeros(num_ranks, dtype=torch.int64))
+    return NVLinkLowLatency(Topology(0, num_ranks, num_ranks), torch.zeros(64, dtype=torch.uint8), peers,
+                            torch.zeros(4 + num_ranks, dtype=torch.int32), 10 ** 9, num_sms, auto_mask=auto_mask)
+
+
 def test_nvlink_shrink_mode_refuses_more_ranks_than_its_rank_bits_hold():
     """Shrink mode's NVLink kernels pass the ranks a call exchanges with as the bits of an int64: a larger group
     is refused when the Buffer is built, naming enable_shrink and the limit, rather than masking the wrong ranks."""
-    from types import SimpleNamespace
-    from deep_ep.group import Topology
-    from deep_ep.transport.nvlink.low_latency import MAX_SHRINK_RANKS, NVLinkLowLatency
+    from deep_ep.transport.nvlink.low_latency import MAX_SHRINK_RANKS
     limit = MAX_SHRINK_RANKS
-    peers = SimpleNamespace(bases=torch.zeros(limit + 1, dtype=torch.int64))
-    status = torch.zeros(4 + limit + 1, dtype=torch.int32)
-
-    def build(ranks: int, auto_mask: bool) -> NVLinkLowLatency:
-        return NVLinkLowLatency(Topology(0, ranks, ranks), torch.zeros(64, dtype=torch.uint8), peers, status, 10 ** 9,
-                                1, auto_mask=auto_mask)
-    build(limit, True)
-    build(limit + 1, False)
+    _nvlink_low_latency(limit, auto_mask=True)
+    _nvlink_low_latency(limit + 1, auto_mask=False)
     with pytest.raises(ValueError, match=f"enable_shrink.*at most {limit} ranks.*has {limit + 1}"):
-        build(limit + 1, True)
+        _nvlink_low_latency(limit + 1, auto_mask=True)
 
 
 def test_nvlink_low_latency_refuses_receive_grids_larger_than_the_finish_unit():
     """Every receive program adds a share of RECEIVED_UNIT of at least 1 (sync.finish_receive), so a grid
     may have at most RECEIVED_UNIT programs."""
-    from types import SimpleNamespace
-    from deep_ep.group import Topology
-    from deep_ep.transport.nvlink.low_latency import RECV_PROGRAMS_PER_SM, NVLinkLowLatency
+    from deep_ep.transport.nvlink.low_latency import RECV_PROGRAMS_PER_SM
     from deep_ep.transport.nvlink.sync import RECEIVED_UNIT
-    peers = SimpleNamespace(bases=torch.zeros(2, dtype=torch.int64))
     most = RECEIVED_UNIT.value // RECV_PROGRAMS_PER_SM
-
-    def build(num_sms: int) -> NVLinkLowLatency:
-        return NVLinkLowLatency(Topology(0, 2, 2), torch.zeros(64, dtype=torch.uint8), peers,
-                                torch.zeros(6, dtype=torch.int32), 10 ** 9, num_sms)
-    build(most)
+    _nvlink_low_latency(2, num_sms=most)
     with pytest.raises(ValueError, match=f"num_sms.*{most + 1} SMs.*at most {RECEIVED_UNIT.value}"):
-        build(most + 1)
+        _nvlink_low_latency(2, num_sms=most + 1)
 
 
 def test_low_latency_in_deterministic_mode(pool):
