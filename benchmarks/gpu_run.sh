@@ -132,6 +132,11 @@ if has other; then
 fi
 wait
 
+# the benchmark's figures first, the tests' summary last (a long output keeps its end)
+if [ -f "$out/bench.txt" ]; then
+    grep -v -E '^\[|CudaIPCTypes|UserWarning|_warn_once' "$out/bench.txt"
+    echo "bench exit $bench_status"
+fi
 for log in tests_nvlink_sweep tests_nvlink_rings tests_nvlink_model tests_nvlink_other tests_rings_only tests_ll_compare \
            tests_ll_variants tests_ll_other tests_other; do
     [ -f "$out/$log.log" ] || continue
@@ -144,13 +149,11 @@ shrink_runs=$(ls "$out"/tests_shrink_*.log 2>/dev/null | wc -l)
 if [ "$shrink_runs" -gt 0 ]; then
     echo "--- tests_shrink: $(grep -l ' PASSED' "$out"/tests_shrink_*.log | wc -l) of $shrink_runs runs passed"
     grep -h -E "^E .*seed=|^FAILED" "$out"/tests_shrink_*.log | cut -c1-240 | head -n 6
+    grep -l ' PASSED' "$out"/tests_shrink_*.log | xargs -r rm --   # only failing runs' logs come back
 fi
 for log in "$out"/deepep_*.log; do
     [ -f "$log" ] || continue
     echo "--- $(basename "$log" .log)"
     grep -v "CudaIPCTypes" "$log" | grep -E "passed|Error|error|Kernel performance|Best|bandwidth|send/recv| exit " | tail -n 20
 done
-if [ -f "$out/bench.txt" ]; then
-    grep -v '^\[' "$out/bench.txt" | grep -v CudaIPCTypes
-fi
-echo "bench exit $bench_status"
+
