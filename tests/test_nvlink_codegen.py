@@ -83,7 +83,7 @@ def _expect_16_byte_rows(counts: Counter, tile_bytes: int, num_warps: int, loads
 
 LL_COMBINE = dict(H=H, K=K, R=R, HAS_MASK=False, AUTO_MASK=False, LOGFMT=False, BLOCK_H=_next_pow2(H), BLOCK_E=256,
                   BLOCK_R=R, ROWS=ll.COMBINE_SEND_ROWS, HAS_STATS=False, BLOCK_K=K,
-                  CHUNK=min(_next_pow2(H), max(128, ll.COMBINE_TILE // K)))
+                  CHUNK=min(_next_pow2(H), max(128, ll.COMBINE_TILE // K)), PDL=True)
 LL_STRIDES = ("x_expert_stride", "x_row_stride", "num_max_tokens")
 
 
@@ -108,7 +108,7 @@ def _ll_dispatch_constexprs(fp8: bool, topk: int = K) -> Dict[str, object]:
                 SLOT_W=payload_words + scale_words, HAS_MASK=False, AUTO_MASK=False, BLOCK_H=_next_pow2(H),
                 BLOCK_K=topk, BLOCK_R=R, BLOCK_G=_next_pow2(H) // 128 if fp8 else 1, HAS_STATS=False,
                 BLOCK_RN=_next_pow2(R * 128), BLOCK_X=_next_pow2(payload_words),
-                BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=ll.RECV_ROWS, AHEAD=True)
+                BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=ll.RECV_ROWS, AHEAD=True, PDL=True)
 
 
 # (top-32 without shrink: a send loop carrying the next token's ids failed to compile there with Triton 3.6)
@@ -127,6 +127,20 @@ def test_low_latency_dispatch_receive_copies_rows_in_16_bytes():
     constexprs = _ll_dispatch_constexprs(True)
     counts = _accesses(ll_dispatch.ll_dispatch_recv_kernel, ll.RECV_WARPS, constexprs, ("num_max_tokens",))
     _expect_16_byte_rows(counts, ll.RECV_ROWS * constexprs["BLOCK_X"] * 4, ll.RECV_WARPS)
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_low_latency_kernels_wait_for_the_previous_kernel_only_when_chained(pdl):
+    """Launched as programmatic dependents, the send and receive kernels must wait for the previous kernel (its
+    writes are not visible before): griddepcontrol.wait, once; no early trigger for the next kernel."""
+    for kernel, constexprs in [(ll_dispatch.ll_dispatch_send_kernel, _ll_dispatch_constexprs(True)),
+                               (ll_dispatch.ll_dispatch_recv_kernel, _ll_dispatch_constexprs(True)),
+                               (ll_combine.ll_combine_send_kernel, dict(LL_COMBINE, OWN_FROM_X=True)),
+                               (ll_combine.ll_combine_recv_kernel, dict(LL_COMBINE, OWN_FROM_X=True))]:
+        ptx = _ptx(kernel, 4, dict(constexprs, PDL=pdl), LL_STRIDES if kernel.__name__.startswith("ll_combine")
+                   else ("num_max_tokens",))
+        assert ptx.count("griddepcontrol.wait") == int(pdl), kernel.__name__
+        assert "griddepcontrol.launch_dependents" not in ptx, kernel.__name__
 
 
 def _dispatch_constexprs() -> Dict[str, object]:
@@ -233,9 +247,10 @@ def _uniformity_cases():
     ll_dispatch_shapes = dict(H=h, K=k, R=r, FP8=True, ROUND=False, UE8M0=False, XW=h // 4, SW=h // 128,
                               SLOT_W=h // 4 + h // 128, HAS_MASK=True, AUTO_MASK=True, BLOCK_H=h, BLOCK_K=k, BLOCK_R=r,
                               BLOCK_G=h // 128, HAS_STATS=True, BLOCK_RN=r * 16, BLOCK_X=h // 4, BLOCK_S=4,
-                              ROWS=ll.RECV_ROWS, AHEAD=False)
+                              ROWS=ll.RECV_ROWS, AHEAD=False, PDL=True)
     ll_combine_shapes = dict(H=h, K=k, R=r, HAS_MASK=True, AUTO_MASK=True, LOGFMT=False, BLOCK_H=h, BLOCK_E=4,
-                             BLOCK_R=r, ROWS=ll.COMBINE_SEND_ROWS, HAS_STATS=True, BLOCK_K=k, CHUNK=h, OWN_FROM_X=True)
+                             BLOCK_R=r, ROWS=ll.COMBINE_SEND_ROWS, HAS_STATS=True, BLOCK_K=k, CHUNK=h, OWN_FROM_X=True,
+                             PDL=True)
     rows = dict(C=4, R=r, XW=h // 2, SW=0, K=k, HAS_W=True, ID_OFF=h // 2, BLOCK_X=h // 2, BLOCK_S=1, BLOCK_K=k,
                 BLOCK_R=r, ROWS=4)
     combine_rows = dict(R=r, H=h, K=k, X_OFF=_combine_slot(k, h)[0], HAS_BIAS0=True, HAS_BIAS1=False, BLOCK_H=h,

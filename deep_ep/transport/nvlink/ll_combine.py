@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .intrinsics import to_bf16
+from .intrinsics import follow_previous_kernel, to_bf16
 from .sync import (begin_send, claim_arrival, finish_receive, in_rank_bits, rank_bits, report_bad_ids, row_pointers,
                    send_share, wait_for_senders)
 
@@ -177,7 +177,9 @@ def ll_combine_send_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, sh
                            arrived_offset, received_offset, timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
                            AUTO_MASK: tl.constexpr, LOGFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_R: tl.constexpr, ROWS: tl.constexpr, OWN_FROM_X: tl.constexpr):
+                           BLOCK_R: tl.constexpr, ROWS: tl.constexpr, OWN_FROM_X: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        follow_previous_kernel()
     _send(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank, experts_per_rank,
           num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset, received_offset, timeout_ns,
           H, K, R, HAS_MASK, AUTO_MASK, LOGFMT, BLOCK_H, BLOCK_E, BLOCK_R, ROWS, OWN_FROM_X)
@@ -190,7 +192,9 @@ def ll_combine_recv_kernel(rows_ptr, arrived_ptr, received_ptr, idx_ptr, weights
                            timeout_ns,
                            H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_MASK: tl.constexpr,
                            AUTO_MASK: tl.constexpr, HAS_STATS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr):
+                           BLOCK_R: tl.constexpr, OWN_FROM_X: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        follow_previous_kernel()
     _receive(rows_ptr, arrived_ptr, received_ptr, idx_ptr, weights_ptr, mask_ptr, shrink_ptr, out_ptr,
              stats_ptr, status_ptr, x_ptr, route_ptr, num_max_tokens, x_expert_stride, x_row_stride, num_tokens,
              num_experts, experts_per_rank, num_senders, timeout_ns, H, K, R, HAS_MASK, AUTO_MASK, HAS_STATS, CHUNK,

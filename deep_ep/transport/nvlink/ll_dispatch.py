@@ -35,7 +35,7 @@ receive reports it in the status (sync.report_bad_input) for the host's error.
 import triton
 import triton.language as tl
 
-from .intrinsics import popcount, to_e4m3
+from .intrinsics import follow_previous_kernel, popcount, to_e4m3
 from .sync import (TOO_MANY_ROWS, begin_send, claim_arrival, finish_receive, in_rank_bits, rank_bits, report_bad_ids,
                    report_bad_input, row_pointer, send_share, wait_for_senders)
 
@@ -249,7 +249,10 @@ def ll_dispatch_send_kernel(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shri
                             H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
                             ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr,
                             SLOT_W: tl.constexpr, HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr,
-                            BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+                            BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                            PDL: tl.constexpr):
+    if PDL:
+        follow_previous_kernel()
     _send(x_ptr, idx_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
           experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset, received_offset, timeout_ns,
           H, K, R, FP8, ROUND, UE8M0, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, BLOCK_H, BLOCK_K, BLOCK_R, BLOCK_G)
@@ -262,7 +265,9 @@ def ll_dispatch_recv_kernel(masks_ptr, slots_ptr, arrived_ptr, received_ptr, mas
                             R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, SLOT_W: tl.constexpr,
                             HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
                             BLOCK_RN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr,
-                            ROWS: tl.constexpr, AHEAD: tl.constexpr):
+                            ROWS: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        follow_previous_kernel()
     _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr, status_ptr,
              out_x_ptr, out_scales_ptr, src_info_ptr, route_ptr, layout_ptr, count_ptr, rank, experts_per_rank,
              num_max_tokens, num_senders, timeout_ns, K, R, XW, SW, SLOT_W, HAS_MASK, AUTO_MASK, HAS_STATS, BLOCK_RN,
