@@ -6,12 +6,17 @@ print DeepEP's own figures.
     python benchmarks/deepep_tests.py DEEPEP_TESTS_DIR test_low_latency --num-processes 2 [script arguments]
     python benchmarks/deepep_tests.py DEEPEP_TESTS_DIR test_intranode --num-processes 2 --num-tokens 256 --hidden 1024
 
-On GPUs the script runs as it is (NCCL, `cuda:local_rank`). Without GPUs, or with `--cpu` before the
-tests folder, it runs on CPU tensors over gloo with what the script cannot do there replaced: tensors it
-creates with `device='cuda'` are made on the CPU, `init_dist` starts a gloo group (and sets the default
-dtype to bfloat16 as the script's does), `dist.all_gather_into_tensor` gathers through a list (gloo takes
-no stacked output), `bench` times with `time.perf_counter`, and `bench_kineto` (kernel times from the CUDA
-profiler) gives the host time of one call for every kernel name, or NaN without running the calls that
+On GPUs the script runs as it is (NCCL, `cuda:local_rank`) but for `bench_kineto`, DeepEP's kernel timing:
+it wants one profiler row per kernel name (`dispatch`, `combine`), and a low-latency call here runs a send and
+a receive kernel (one fused kernel for a few tokens), so the replacement reports the GPU time per call of
+every kernel whose name contains the name (with receive hooks, per phase: the send kernels, then the
+receive kernels, as DeepEP's splits its kernel's two launches).
+
+Without GPUs, or with `--cpu` before the tests folder, it runs on CPU tensors over gloo with what the script
+cannot do there replaced: tensors it creates with `device='cuda'` are made on the CPU, `init_dist` starts a
+gloo group (and sets the default dtype to bfloat16 as the script's does), `dist.all_gather_into_tensor`
+gathers through a list (gloo takes no stacked output), `bench` times with `time.perf_counter`, and
+`bench_kineto` gives the host time of one call for every kernel name, or NaN without running the calls that
 use receive hooks (each of them multiplies two 8192 x 8192 matrices). Its checks are unchanged, so a run
 that ends without an error has passed them. As in DeepEP, WORLD_SIZE and RANK (environment) give the
 number of nodes and this node's index, so two runs with WORLD_SIZE=2 and RANK=0 / 1 (same MASTER_PORT)
@@ -19,15 +24,14 @@ are two nodes of `--num-processes` ranks each (`test_internode` wants 8 a node);
 then get `num_ranks_per_node` so that each run's ranks form a node.
 
 With `--share-gpus` the ranks run as processes that share the GPUs (rank i on GPU i mod count) in a gloo
-group, with the script's CUDA tensors, so more ranks than GPUs run (NCCL takes one rank a GPU); only
-`init_dist` and `dist.all_gather_into_tensor` (through host memory) are replaced.
+group, with the script's CUDA tensors, so more ranks than GPUs run (NCCL takes one rank a GPU); `init_dist`
+and `dist.all_gather_into_tensor` (through host memory) are replaced, and `bench_kineto` as on GPUs.
 """
 import argparse
 import functools
 import importlib
 import math
 import os
-import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -92,6 +96,43 @@ def _bench_kineto(fn, kernel_names, num_tests: int = 30, suppress_kineto_output:
     return tuple(one for _ in kernel_names) if isinstance(kernel_names, tuple) else one
 
 
+def _kernel_times(fn, kernel_names, num_tests: int = 30, suppress_kineto_output: bool = False, trace_path=None,
+                  barrier_comm_profiling: bool = False, num_kernels_per_period: int = 1):
+    """DeepEP's bench_kineto for kernels that this package splits: the GPU seconds per call of all kernels
+    whose names contain each of `kernel_names`; with `num_kernels_per_period` > 1 (receive hooks), a list of
+    the seconds per call of each phase, the matching kernels taken in launch order, period by period."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(num_tests):   # (DeepEP's profiles a second round: the first warms up)
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        if barrier_comm_profiling:   # as DeepEP's: a long kernel, then a barrier, evens out the ranks' launches
+            lhs = torch.randn((8192, 8192), dtype=torch.float, device="cuda")
+            lhs @ lhs
+            dist.barrier()
+        for _ in range(num_tests):
+            fn()
+        torch.cuda.synchronize()
+    if trace_path is not None:
+        prof.export_chrome_trace(trace_path)
+    kernels = sorted((event for event in prof.events() if event.device_type == DeviceType.CUDA),
+                     key=lambda event: event.time_range.start)
+    names = (kernel_names,) if isinstance(kernel_names, str) else kernel_names
+    results = []
+    for name in names:
+        seconds = [(event.time_range.end - event.time_range.start) / 1e6 for event in kernels if name in event.name]
+        if not seconds or len(seconds) % (num_tests * num_kernels_per_period):
+            raise AssertionError(f"{len(seconds)} kernels named *{name}* in {num_tests} calls of "
+                                 f"{num_kernels_per_period} phase(s)")
+        if num_kernels_per_period > 1:
+            results.append([sum(seconds[phase::num_kernels_per_period]) / num_tests
+                            for phase in range(num_kernels_per_period)])
+        else:
+            results.append(sum(seconds) / num_tests)
+    return tuple(results) if isinstance(kernel_names, tuple) else results[0]
+
+
 def _gather_into(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """all_gather_into_tensor through a list, in host memory (gloo)."""
     if not output.is_cuda:
@@ -101,23 +142,29 @@ def _gather_into(output: torch.Tensor, input: torch.Tensor, group=None, async_op
     output.copy_(staged)
 
 
-def _run_with_gloo(local_rank: int, num_local_ranks: int, args: argparse.Namespace, tests_dir: str, script: str,
-                   on_gpus: bool) -> None:
+def _run_rank(local_rank: int, num_local_ranks: int, args: argparse.Namespace, tests_dir: str, script: str,
+              mode: str) -> None:
+    """One rank of the script's `test_loop`. `mode`: "gpus" (the script's own NCCL set-up), "share" (ranks
+    sharing the GPUs over gloo) or "cpu"."""
     sys.path[:0] = [tests_dir, REPO]
     import utils
-    utils.init_dist = functools.partial(_init_dist, on_gpus=on_gpus)
-    if not on_gpus:
+    if mode == "cpu":
         utils.bench, utils.bench_kineto = _bench, _bench_kineto
+    else:
+        utils.bench_kineto = _kernel_times
+    if mode != "gpus":
+        utils.init_dist = functools.partial(_init_dist, on_gpus=mode == "share")
     import deep_ep
-    if int(os.getenv("WORLD_SIZE", "1")) > 1:   # every host is this one: nodes of num_local_ranks ranks, as DeepEP's
-        buffer_init = deep_ep.Buffer.__init__
+    if mode != "gpus" and int(os.getenv("WORLD_SIZE", "1")) > 1:   # every host is this one: nodes of
+        buffer_init = deep_ep.Buffer.__init__                         # num_local_ranks ranks, as DeepEP's
 
         def init_with_nodes(self, *init_args, **init_kwargs):
             buffer_init(self, *init_args, **dict(init_kwargs, num_ranks_per_node=num_local_ranks))
         deep_ep.Buffer.__init__ = init_with_nodes
     module = importlib.import_module(script)   # (its `from utils import ...` binds the replacements above)
-    dist.all_gather_into_tensor = _gather_into
-    if on_gpus:
+    if mode != "gpus":
+        dist.all_gather_into_tensor = _gather_into
+    if mode != "cpu":
         module.test_loop(local_rank, num_local_ranks, args)
         return
     with _CudaOnCpu():
@@ -147,20 +194,18 @@ def main() -> int:
     ours, rest = parser.parse_known_args()
     tests_dir = os.path.abspath(ours.tests_dir)
     on_gpus = not ours.cpu and torch.cuda.is_available()
-    if on_gpus and not ours.share_gpus:
-        paths = [REPO, tests_dir] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-        return subprocess.call([sys.executable, os.path.join(tests_dir, ours.script + ".py"), *rest], env=env)
+    mode = ("share" if ours.share_gpus else "gpus") if on_gpus else "cpu"
     args = _script_arguments(tests_dir, ours.script, rest)
     if not on_gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""   # (the ranks' Buffers would otherwise pick a GPU)
-    if int(os.getenv("WORLD_SIZE", "1")) == 1:   # (several nodes share MASTER_PORT, DeepEP's default 8361)
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    torch.multiprocessing.spawn(_run_with_gloo, args=(args.num_processes, args, tests_dir, ours.script, on_gpus),
+    if mode != "gpus" and int(os.getenv("WORLD_SIZE", "1")) == 1:   # (several nodes share MASTER_PORT, DeepEP's
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))   # default 8361)
+    torch.multiprocessing.spawn(_run_rank, args=(args.num_processes, args, tests_dir, ours.script, mode),
                                 nprocs=args.num_processes)
     where = f"{torch.cuda.device_count()} GPUs" if on_gpus else "CPU"
+    group = "NCCL" if mode == "gpus" else "gloo"
     print(f"{ours.script}: every check passed on {where} ({args.num_processes} ranks, node {os.getenv('RANK', '0')} "
-          f"of {os.getenv('WORLD_SIZE', '1')}, gloo)")
+          f"of {os.getenv('WORLD_SIZE', '1')}, {group})")
     return 0
 
 
