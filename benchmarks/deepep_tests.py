@@ -10,7 +10,8 @@ On GPUs the script runs as it is (NCCL, `cuda:local_rank`) but for `bench_kineto
 it wants one profiler row per kernel name (`dispatch`, `combine`), and a low-latency call here runs a send and
 a receive kernel (one fused kernel for a few tokens), so the replacement reports the GPU time per call of
 every kernel whose name contains the name (with receive hooks, per phase: the send kernels, then the
-receive kernels, as DeepEP's splits its kernel's two launches).
+receive kernels, as DeepEP's splits its kernel's two launches). Nodes there are DeepEP's: WORLD_SIZE and
+RANK name this host's node among several hosts.
 
 Without GPUs, or with `--cpu` before the tests folder, it runs on CPU tensors over gloo with what the script
 cannot do there replaced: tensors it creates with `device='cuda'` are made on the CPU, `init_dist` starts a
@@ -100,29 +101,44 @@ def _kernel_times(fn, kernel_names, num_tests: int = 30, suppress_kineto_output:
                   barrier_comm_profiling: bool = False, num_kernels_per_period: int = 1):
     """DeepEP's bench_kineto for kernels that this package splits: the GPU seconds per call of all kernels
     whose names contain each of `kernel_names`; with `num_kernels_per_period` > 1 (receive hooks), a list of
-    the seconds per call of each phase, the matching kernels taken in launch order, period by period."""
+    the seconds per call of each phase, the matching kernels taken in launch order, period by period.
+
+    Calls with no kernel of a name (the reference transport, e.g. test_internode's, runs torch ops and
+    collectives): the whole call's GPU time, timed with events, goes to the first such name and 0 to the
+    others (test_internode's `notify`), so that the script's tuning loops still compare configurations."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     for _ in range(num_tests):   # (DeepEP's profiles a second round: the first warms up)
         fn()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         if barrier_comm_profiling:   # as DeepEP's: a long kernel, then a barrier, evens out the ranks' launches
             lhs = torch.randn((8192, 8192), dtype=torch.float, device="cuda")
             lhs @ lhs
-            dist.barrier()
+            if dist.get_backend() == "nccl":   # (queued behind the product, as DeepEP's)
+                dist.all_reduce(torch.ones(1, dtype=torch.float, device="cuda"))
+            else:                               # (gloo: the host waits)
+                dist.barrier()
+        start.record()
         for _ in range(num_tests):
             fn()
+        end.record()
         torch.cuda.synchronize()
     if trace_path is not None:
         prof.export_chrome_trace(trace_path)
     kernels = sorted((event for event in prof.events() if event.device_type == DeviceType.CUDA),
                      key=lambda event: event.time_range.start)
     names = (kernel_names,) if isinstance(kernel_names, str) else kernel_names
+    unmatched_seconds = start.elapsed_time(end) / 1e3 / num_tests
     results = []
     for name in names:
         seconds = [(event.time_range.end - event.time_range.start) / 1e6 for event in kernels if name in event.name]
-        if not seconds or len(seconds) % (num_tests * num_kernels_per_period):
+        if not seconds:
+            seconds = [unmatched_seconds * num_tests] + [0.0] * (num_tests * num_kernels_per_period - 1)
+            unmatched_seconds = 0.0
+        phases_apart = num_kernels_per_period > 1 and len(seconds) != num_tests * num_kernels_per_period
+        if len(seconds) % num_tests or phases_apart:   # (with phases, exactly one kernel of each a call)
             raise AssertionError(f"{len(seconds)} kernels named *{name}* in {num_tests} calls of "
                                  f"{num_kernels_per_period} phase(s)")
         if num_kernels_per_period > 1:

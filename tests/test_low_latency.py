@@ -1095,6 +1095,22 @@ def test_nvlink_low_latency_refuses_receive_grids_larger_than_the_finish_unit():
         _nvlink_low_latency(2, num_sms=most + 1)
 
 
+@pytest.mark.parametrize("capability, asked, chained", [
+    ((9, 0), None, True), ((10, 0), None, False), ((12, 0), None, False), ((8, 0), None, False),
+    ((9, 0), "0", False), ((10, 0), "1", True), ((8, 0), "1", False)])
+def test_nvlink_low_latency_chains_launches_where_asked_and_supported(monkeypatch, capability, asked, chained):
+    """Programmatic dependent launches (griddepcontrol: sm_90 and later) by default only on sm_90, where they
+    are tested; DEEP_EP_LL_PDL=1 asks for them on later GPUs, 0 turns them off."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from deep_ep.transport.nvlink import low_latency
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    if asked is None:
+        monkeypatch.delenv("DEEP_EP_LL_PDL", raising=False)
+    else:
+        monkeypatch.setenv("DEEP_EP_LL_PDL", asked)
+    assert low_latency._chain_launches(torch.device("cuda", 0)) == chained
+
+
 def test_low_latency_in_deterministic_mode(pool):
     """The 2-rank cases and the pipeline with torch's deterministic algorithms on and new tensors filled with
     NaN / the largest integer (the transport may rely on no value of memory it did not write)."""

@@ -132,7 +132,8 @@ def test_low_latency_dispatch_receive_copies_rows_in_16_bytes():
 @pytest.mark.parametrize("pdl", [True, False])
 def test_low_latency_kernels_wait_for_the_previous_kernel_only_when_chained(pdl):
     """Launched as programmatic dependents, the send and receive kernels must wait for the previous kernel (its
-    writes are not visible before): griddepcontrol.wait, once; no early trigger for the next kernel."""
+    writes are not visible before): griddepcontrol.wait, once, before any global load or store; no early
+    trigger for the next kernel."""
     for kernel, constexprs in [(ll_dispatch.ll_dispatch_send_kernel, _ll_dispatch_constexprs(True)),
                                (ll_dispatch.ll_dispatch_recv_kernel, _ll_dispatch_constexprs(True)),
                                (ll_combine.ll_combine_send_kernel, dict(LL_COMBINE, OWN_FROM_X=True)),
@@ -141,6 +142,10 @@ def test_low_latency_kernels_wait_for_the_previous_kernel_only_when_chained(pdl)
                    else ("num_max_tokens",))
         assert ptx.count("griddepcontrol.wait") == int(pdl), kernel.__name__
         assert "griddepcontrol.launch_dependents" not in ptx, kernel.__name__
+        if pdl:   # before the first access to global memory
+            accesses = re.finditer(r"\b(ld|st|atom|red)(\.[a-z0-9_]+)*?\.global", ptx)
+            first_access = min(match.start() for match in accesses)
+            assert ptx.index("griddepcontrol.wait") < first_access, kernel.__name__
 
 
 def _dispatch_constexprs() -> Dict[str, object]:

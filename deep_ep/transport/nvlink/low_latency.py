@@ -92,6 +92,18 @@ def _launch_option_supported(option: str) -> bool:
     return option in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
+def _chain_launches(device: torch.device) -> bool:
+    """Whether the send and receive kernels launch as programmatic dependents of the stream's previous kernel
+    (PDL): each launches as the previous one's programs end and waits on the GPU for its writes (one H200, one
+    rank, graph replays of a 128-token dispatch + combine: about 1 us less). By default on sm_90, where it is
+    tested (CUDA-graph capture with PDL launches has failed on other architectures); DEEP_EP_LL_PDL=1 asks for
+    it on any sm_90 or later GPU, 0 turns it off."""
+    asked = os.environ.get("DEEP_EP_LL_PDL")
+    major = torch.cuda.get_device_capability(device)[0]
+    wanted = major == 9 if asked is None else asked != "0" and major >= 9
+    return wanted and _launch_option_supported("launch_pdl")
+
+
 class _Geometry:
     """Where a call's areas sit in a half, for (N, hidden, num_experts) and this group."""
 
@@ -133,12 +145,7 @@ class NVLinkLowLatency:
         # program per SM and a Triton that can ask for it
         self.can_fuse = (NUM_SENDERS <= self.num_sms and os.environ.get("DEEP_EP_LL_FUSED", "1") != "0"
                          and area.is_cuda and _launch_option_supported("launch_cooperative_grid"))
-        # the send and receive kernels are launched as programmatic dependents of the stream's previous kernel
-        # (sm_90 and later): each launches as the previous one's programs end and waits on the GPU for its writes
-        # (one H200, one rank, graph replays of a 128-token dispatch + combine: about 1 us less)
-        self.chain_launches = (os.environ.get("DEEP_EP_LL_PDL", "1") != "0" and area.is_cuda
-                               and torch.cuda.get_device_capability(area.device)[0] >= 9
-                               and _launch_option_supported("launch_pdl"))
+        self.chain_launches = area.is_cuda and _chain_launches(area.device)
         self._routes: Dict[int, Tuple[torch.Tensor, int]] = {}   # id(src_info) -> (route, top-k)
         self._plans: Dict[tuple, dict] = {}   # launch arguments per call shape (_dispatch_plan, _combine_plan)
         # stand-ins for optional pointer arguments (never read)
