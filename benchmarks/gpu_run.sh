@@ -18,7 +18,8 @@
 #           18 runs instead of 1 in 5)
 #   deepep: DeepEP's own V1 test scripts against this package (benchmarks/deepep_tests.py; a copy of DeepEP's V1
 #           tests folder in _deepep_tests/), after the benchmark and before the tests: test_intranode and
-#           test_low_latency at 2 ranks (2 GPUs), test_low_latency --shrink-test at 8 ranks sharing the GPUs
+#           test_low_latency at 2 ranks (2 GPUs; on one GPU both ranks share it, small shapes),
+#           test_low_latency --shrink-test at 8 ranks sharing the GPUs
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DEEP_EP_TEST_TIMEOUT_S=500 DEEP_EP_TEST_BUFFER_TIMEOUT_S=60
@@ -76,6 +77,14 @@ if has deepep; then
         if [ "$gpus" -ge 2 ]; then
             for script in test_intranode test_low_latency; do
                 timeout "$limit" python3 benchmarks/deepep_tests.py _deepep_tests $script --num-processes 2 \
+                    > "$out/deepep_$script.log" 2>&1
+                echo "deepep $script exit $?" >> "$out/deepep_$script.log"
+            done
+        else   # both ranks on the one GPU, small shapes (the checks; the times say nothing of NVLink)
+            for run in "test_intranode --num-tokens 256 --hidden 1024 --num-experts 32" \
+                       "test_low_latency --num-tokens 32 --hidden 1024 --num-experts 16"; do
+                script=${run%% *}
+                timeout "$limit" python3 benchmarks/deepep_tests.py --share-gpus _deepep_tests $run --num-processes 2 \
                     > "$out/deepep_$script.log" 2>&1
                 echo "deepep $script exit $?" >> "$out/deepep_$script.log"
             done
