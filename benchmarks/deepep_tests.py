@@ -130,13 +130,15 @@ def _kernel_times(fn, kernel_names, num_tests: int = 30, suppress_kineto_output:
     kernels = sorted((event for event in prof.events() if event.device_type == DeviceType.CUDA),
                      key=lambda event: event.time_range.start)
     names = (kernel_names,) if isinstance(kernel_names, str) else kernel_names
-    unmatched_seconds = start.elapsed_time(end) / 1e3 / num_tests
+    unmatched_seconds = start.elapsed_time(end) / 1e3 / num_tests   # (per call, given to one name only)
     results = []
     for name in names:
         seconds = [(event.time_range.end - event.time_range.start) / 1e6 for event in kernels if name in event.name]
         if not seconds:
-            seconds = [unmatched_seconds * num_tests] + [0.0] * (num_tests * num_kernels_per_period - 1)
+            per_phase = [unmatched_seconds] + [0.0] * (num_kernels_per_period - 1)
+            results.append(per_phase if num_kernels_per_period > 1 else unmatched_seconds)
             unmatched_seconds = 0.0
+            continue
         phases_apart = num_kernels_per_period > 1 and len(seconds) != num_tests * num_kernels_per_period
         if len(seconds) % num_tests or phases_apart:   # (with phases, exactly one kernel of each a call)
             raise AssertionError(f"{len(seconds)} kernels named *{name}* in {num_tests} calls of "

@@ -145,7 +145,9 @@ class NVLinkLowLatency:
         # program per SM and a Triton that can ask for it
         self.can_fuse = (NUM_SENDERS <= self.num_sms and os.environ.get("DEEP_EP_LL_FUSED", "1") != "0"
                          and area.is_cuda and _launch_option_supported("launch_cooperative_grid"))
-        self.chain_launches = area.is_cuda and _chain_launches(area.device)
+        # the launch arguments of the send and receive kernels for programmatic dependent launch (PDL)
+        self._chained = (dict(PDL=True, launch_pdl=True) if area.is_cuda and _chain_launches(area.device)
+                         else dict(PDL=False))
         self._routes: Dict[int, Tuple[torch.Tensor, int]] = {}   # id(src_info) -> (route, top-k)
         self._plans: Dict[tuple, dict] = {}   # launch arguments per call shape (_dispatch_plan, _combine_plan)
         # stand-ins for optional pointer arguments (never read)
@@ -224,10 +226,10 @@ class NVLinkLowLatency:
         # (AHEAD: a program has several experts, so it loads their tables one ahead)
         return dict(
             send=Relaunch(ll_dispatch_send_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + ("route_ptr",), **send,
-                          num_warps=NUM_WARPS, **self._chained()),
+                          num_warps=NUM_WARPS, **self._chained),
             receive=Relaunch(ll_dispatch_recv_kernel, (receive_grid,), _DISPATCH_OUTPUTS, **receive,
                              AHEAD=experts_per_rank > receive_grid, num_warps=RECV_WARPS if small else NUM_WARPS,
-                             **self._chained()),
+                             **self._chained),
             fused=Relaunch(ll_dispatch_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + _DISPATCH_OUTPUTS[1:], **send,
                            **receive_only, AHEAD=experts_per_rank > NUM_SENDERS, num_warps=NUM_WARPS,
                            launch_cooperative_grid=True)
@@ -275,10 +277,6 @@ class NVLinkLowLatency:
         def receive_step() -> None:   # (keeps only the receive's arguments alive)
             receive(*outputs)
         return output, receive_step
-
-    def _chained(self) -> dict:
-        """The launch arguments of a send or receive kernel for programmatic dependent launch (PDL)."""
-        return dict(PDL=True, launch_pdl=True) if self.chain_launches else dict(PDL=False)
 
     def _counters(self, geometry: _Geometry):
         """ARRIVED and RECEIVED of a half (local views)."""
@@ -361,10 +359,10 @@ class NVLinkLowLatency:
         # (the receive and the fused kernel are compiled without FMA, as the reference sums)
         return dict(
             send=Relaunch(ll_combine_send_kernel, (NUM_SENDERS,), _COMBINE_INPUTS, **send, num_warps=NUM_WARPS,
-                          enable_fp_fusion=not use_logfmt, **self._chained()),
+                          enable_fp_fusion=not use_logfmt, **self._chained),
             receive=Relaunch(ll_combine_recv_kernel, (1,), _COMBINE_OUTPUTS + ("x_ptr", "route_ptr"), **receive_only,
                              **_pick(send, _COMBINE_SHARED), num_warps=RECV_WARPS, enable_fp_fusion=False,
-                             **self._chained()),
+                             **self._chained),
             fused=Relaunch(ll_combine_kernel, (NUM_SENDERS,), _COMBINE_INPUTS + _COMBINE_OUTPUTS[1:], **send,
                            **receive_only, num_warps=NUM_WARPS, enable_fp_fusion=False,
                            launch_cooperative_grid=True) if self.can_fuse else None,
