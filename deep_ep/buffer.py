@@ -373,14 +373,13 @@ class Buffer:
             inputs = (data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                       num_tokens_per_expert)
 
-            def validate() -> None:
+            def check_values() -> None:
                 if topk_idx is not None:
                     check_expert_ids("topk_idx", topk_idx, num_experts)
                 if not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
                     raise ValueError("num_tokens_per_rank must equal the column sums of is_token_in_rank "
                                      "(pass the outputs of one get_dispatch_layout call)")
-        if self._transport.checks_values_on_device:
-            validate = None
+            validate = None if self._transport.checks_values_on_device else check_values
         out, event = self._comm_stream.run(run, inputs, previous_event, async_finish, validate)
         recv_x = (out.recv_x, out.recv_scales) if scales is not None else out.recv_x
         if handle is not None:
@@ -647,7 +646,7 @@ class Buffer:
         if ordered:   # (inside a CUDA-graph capture the captured order holds)
             self._order_after_last_receive(half, return_recv_hook)
         if return_recv_hook:
-            stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if self._low_latency_async and ordered:
                 # an asynchronous low-latency call before this one may still run on the comm stream: calls
                 # must reach the GPU in order (they share the buffer halves)

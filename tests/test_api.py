@@ -863,6 +863,18 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
     with c.check("comm_without_group"):
         tiny_dispatch(ctx, buf)
 
+    # vLLM passes its CPU (gloo) group, and its tests a "cpu:gloo,cuda:nccl" one (ranks with a GPU each)
+    with c.check("groups_of_other_backends"):
+        backends = ["gloo"] + (["cpu:gloo,cuda:nccl"] if torch.distributed.get_backend(group) == "nccl" else [])
+        for backend in backends:
+            other_group = torch.distributed.new_group(backend=backend)
+            over = Buffer(other_group, nvl, rdma, low_latency_mode=True, num_qps_per_rank=E // 2,
+                          explicitly_destroy=True)
+            assert ctx.device.type != "cuda" or over.transport_name == "nvlink", (backend, over.transport_name)
+            tiny_dispatch(ctx, over)
+            tiny_low_latency(ctx, over)
+            over.destroy()
+
     with c.check("fp8_scales_of_any_count"):   # spec 5.1: S is arbitrary (here one scale per 32 channels and more)
         x, topk_idx, topk_weights = routing(ctx)
         data = x.to(torch.float8_e4m3fn)
@@ -926,7 +938,7 @@ API_CHECKS = ["constructor_errors_local", "positional_construction_and_attribute
               "low_latency_area_below_the_layout_total", "several_buffers", "destroy_requires_flag",
               "destroy_then_api_raises_runtime_error", "new_buffer_after_destroy", "leak_warning",
               "low_latency_combine_of_fewer_tokens", "construction_arguments_agree", "num_worst_tokens_per_rank",
-              "comm_without_group",
+              "comm_without_group", "groups_of_other_backends",
               "fp8_scales_of_any_count", "combine_before_receive_hook", "mask_api"]
 
 

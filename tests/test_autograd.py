@@ -24,17 +24,17 @@ from test_normal import BUFFER_TIMEOUT_S, Checker, _report, make_sources, nvl_by
 class FusedDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, token_indices, token_probs, num_experts, buffer, async_finish=False):
-        from deep_ep import Buffer
-        extra = {}
-        if async_finish:
-            extra = dict(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
-        per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(token_indices, num_experts, **extra)
-        if async_finish:
-            event.current_stream_wait()
-            extra["previous_event"] = event
+        # Megatron's sequence: the layout's own event (EventOverlap(None) when synchronous) orders the dispatch,
+        # with no wait between the two; the compute stream waits once, on the dispatch's event
+        from deep_ep.utils import EventHandle, EventOverlap
+        previous_event = EventOverlap(EventHandle()) if async_finish else None
+        per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(
+            token_indices, num_experts, previous_event=previous_event, async_finish=async_finish,
+            allocate_on_comm_stream=async_finish)
         recv_x, recv_idx, recv_probs, counts, handle, event = buffer.dispatch(
             x, topk_idx=token_indices, topk_weights=token_probs.float(), num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, **extra)
+            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            previous_event=event, async_finish=async_finish, allocate_on_comm_stream=async_finish)
         if async_finish:
             event.current_stream_wait()
         ctx.buffer, ctx.handle, ctx.async_finish = buffer, handle, async_finish
@@ -44,12 +44,12 @@ class FusedDispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x, grad_idx, grad_probs, grad_counts, grad_handle):
-        from deep_ep import Buffer
+        from deep_ep.utils import EventHandle, EventOverlap
         (recv_idx,) = ctx.saved_tensors
         grad_probs = grad_probs.masked_fill(recv_idx < 0, 0.0).float().contiguous()
         extra = {}
         if ctx.async_finish:
-            extra = dict(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
+            extra = dict(previous_event=EventOverlap(EventHandle()), async_finish=True, allocate_on_comm_stream=True)
         grad_x, grad_token_probs, event = ctx.buffer.combine(grad_x.contiguous(), ctx.handle,
                                                              topk_weights=grad_probs, **extra)
         if ctx.async_finish:

@@ -59,7 +59,9 @@ def make_routing(gen: torch.Generator, num_tokens: int, num_topk: int, num_exper
 
 def make_x(gen: torch.Generator, num_tokens: int, hidden: int, kind: str):
     """kinds: bf16; fp8 (float32 scales) / fp8_col (column-major float32 scales) / fp8_i32 (int32 scales) /
-    fp8_i32_col. FP8 data are random bytes (every bit pattern, NaNs included: dispatch copies bits)."""
+    fp8_i32_col / fp8_i32_tma (column-major, the token dimension padded to a multiple of 4, as DeepGEMM's
+    TMA-aligned UE8M0 scales). FP8 data are random bytes (every bit pattern, NaNs included: dispatch copies
+    bits)."""
     if kind == "bf16":
         return torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
     data = torch.randint(0, 256, (num_tokens, hidden), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
@@ -71,6 +73,10 @@ def make_x(gen: torch.Generator, num_tokens: int, hidden: int, kind: str):
         scales = torch.randn(num_tokens, num_scales, generator=gen, dtype=torch.float32)
     if kind.endswith("_col"):
         scales = scales.T.contiguous().T
+    if kind.endswith("_tma"):
+        padded = torch.empty(scales.size(1), model.ceil_div(num_tokens, 4) * 4, dtype=scales.dtype)
+        padded[:, :num_tokens] = scales.T
+        scales = padded.T[:num_tokens]
     return data, scales
 
 
@@ -109,6 +115,7 @@ class Checker:
     def __init__(self, seed: int, case: str, rank: int) -> None:
         self.prefix = f"[seed={seed} case={case} rank={rank}]"
         self.errors: List[str] = []
+        self.last_event: Any = None   # the event the last checked call returned
 
     def fail(self, what: str, detail: str) -> None:
         self.errors.append(f"{self.prefix} {what}: {detail}")
@@ -164,6 +171,7 @@ class Checker:
 
     def event(self, what: str, event: Any, async_finish: bool) -> None:
         from deep_ep import EventOverlap
+        self.last_event = event
         if not self.true(f"{what} event type", isinstance(event, EventOverlap), f"got {type(event).__name__}"):
             return
         if async_finish:
@@ -193,8 +201,13 @@ def nvl_bytes() -> int:
     return Config(NUM_SMS_MAX, 8, 256, 16, 128).get_nvl_buffer_size_hint(HIDDEN_MAX * 2, 8)
 
 
-def event_kwargs(mode: str):
+def event_kwargs(mode: str, last_event: Any = None):
+    """Stream arguments of a call in `mode`; `last_event` is the event the case's previous call returned."""
     from deep_ep import Buffer
+    if mode == "chain":  # synchronous, after the previous call's event (EventOverlap(None): Megatron, slime)
+        return dict(previous_event=last_event), False
+    if mode == "chain_async_alloc":
+        return dict(previous_event=last_event, async_finish=True, allocate_on_comm_stream=last_event is not None), True
     if mode == "sync":
         return {}, False
     if mode == "async":
@@ -297,7 +310,7 @@ def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optio
     rows_of = [expected.rows if g == rank else model.received_rows(sources, g) for g in range(num_ranks)]
 
     # ---- get_dispatch_layout
-    kw, is_async = event_kwargs(mode)
+    kw, is_async = event_kwargs(mode, chk.last_event)
     out = buffer.get_dispatch_layout(dev(me.topk_idx), num_experts, **kw)
     if not chk.true("layout arity", isinstance(out, tuple) and len(out) == 5, f"got {type(out).__name__}"):
         return
@@ -319,7 +332,7 @@ def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optio
     def topk_args():
         return dict(topk_idx=dev(me.topk_idx), topk_weights=dev(me.topk_weights)) if with_topk else {}
 
-    kw, is_async = event_kwargs(mode)
+    kw, is_async = event_kwargs(mode, chk.last_event)
     out = buffer.dispatch(dev(me.x), **layout_args(), **topk_args(), expert_alignment=alignment,
                           config=dispatch_config, **kw)
     if not chk.true("dispatch arity", isinstance(out, tuple) and len(out) == 6, f"got {type(out).__name__}"):
@@ -356,7 +369,7 @@ def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optio
     worst_handle = None
     if case.get("worst"):
         worst = sum(case["tokens"]) + 3
-        kw, is_async = event_kwargs(mode)
+        kw, is_async = event_kwargs(mode, chk.last_event)
         out = buffer.dispatch(dev(me.x), **layout_args(), **topk_args(), expert_alignment=alignment,
                               num_worst_tokens=worst, config=dispatch_config, **kw)
         w_x, w_idx, w_w, w_counts, worst_handle, event = out
@@ -376,7 +389,7 @@ def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optio
     for i, kind in enumerate(case.get("cached", [])):
         new_xs = [make_x(generator(seed, case["name"], "cached", i, s), case["tokens"][s], hidden, kind)
                   for s in range(num_ranks)]
-        kw, is_async = event_kwargs(mode)
+        kw, is_async = event_kwargs(mode, chk.last_event)
         out = buffer.dispatch(dev(new_xs[rank]), handle=handle, config=dispatch_config, **kw)
         if not chk.true(f"cached dispatch #{i} arity", isinstance(out, tuple) and len(out) == 6, f"got {type(out).__name__}"):
             continue
@@ -414,7 +427,7 @@ def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optio
         bias = {"none": None, "one": b[0], "two": (b[0], b[1])}[bias_mode]
         exp_x, exp_w = model.combine(rank, me.layout.is_token_in_rank, rows_of, ys, yws if use_w else None, bias,
                                      ranks_per_node)
-        kw, is_async = event_kwargs(mode)
+        kw, is_async = event_kwargs(mode, chk.last_event)
         out = buffer.combine(dev(ys[rank]), handle, topk_weights=dev(yws[rank]) if use_w else None, bias=dev(bias),
                              config=combine_config, **kw)
         what = f"combine #{j} (bias={bias_mode}, weights={use_w})"
@@ -475,6 +488,12 @@ CASES_2 = [
          mask_frac=0.1, num_sms=4, alignment=4, biases=["two"], repeat=True),
     dict(name="2r-fewer-tokens-than-channels", tokens=[5, 3], hidden=96, topk=2, experts_per_rank=3, num_sms=24,
          worst=True, biases=["one"]),
+    # slime's metadata dispatch: 32-byte rows (16 bf16), top-1, the sync layout's event passed on
+    dict(name="2r-32-byte-rows-top1", tokens=[10, 8], hidden=16, topk=1, experts_per_rank=4, events="chain",
+         cached=["bf16"], repeat=True, biases=["none"]),
+    dict(name="2r-fp8-tma-aligned-scales", tokens=[13, 6], hidden=640, topk=4, experts_per_rank=4,
+         x="fp8_i32_tma", mask_frac=0.1, num_sms=4, cached=["fp8_i32_tma"], events="chain_async_alloc",
+         biases=["none"]),
 ]
 
 CASES_3 = [

@@ -295,6 +295,51 @@ def test_ll_nvlink_several_graphs_on_one_buffer(pool):
         assert r["wrong_tokens"] == 0, f"seed {seed}: rank {rank}: {r['wrong_tokens']} wrong tokens"
 
 
+def run_graph_between_normal_calls(ctx, seed: int, cycles: int, replays: int) -> Dict[str, int]:
+    """SGLang's and lmdeploy's use of one `low_latency_mode=True` Buffer with both buffer sizes: eager
+    normal-mode layout + dispatch + combine (prefill), then `clean_low_latency_buffer`, then replays of a
+    low-latency graph captured once (decode), and again. The normal round trip sends small integers, so
+    combine(dispatch(x)) must be exactly x times the token's number of destination ranks."""
+    from deep_ep import Buffer, Config
+    n, hidden, topk, num_experts = 32, 1024, 8, 8 * ctx.world_size
+    num_tokens = 96 - 11 * ctx.rank
+    nvl = Config(24, 8, 256).get_nvl_buffer_size_hint(hidden * 2, ctx.world_size)
+    buffer = Buffer(ctx.group, nvl, Buffer.get_low_latency_rdma_size_hint(n, hidden, ctx.world_size, num_experts),
+                    low_latency_mode=True, num_qps_per_rank=num_experts // ctx.world_size, transport="nvlink",
+                    explicitly_destroy=True, timeout_s=60)
+    gen = torch.Generator(device=ctx.device)
+    gen.manual_seed(seed + ctx.rank)
+    trip = _GraphedRoundTrip(ctx, buffer, n, hidden, topk, num_experts, n - 3 * ctx.rank, False, gen)
+    trip.capture()
+    wrong = dict(normal=torch.zeros((), dtype=torch.int64, device=ctx.device),
+                 graph=torch.zeros((), dtype=torch.int64, device=ctx.device))
+    for _ in range(cycles):
+        x = torch.randint(-8, 9, (num_tokens, hidden), generator=gen, device=ctx.device).to(torch.bfloat16)
+        scores = torch.rand(num_tokens, num_experts, generator=gen, device=ctx.device)
+        idx = scores.topk(topk, dim=1).indices
+        idx = torch.where(torch.rand(idx.shape, generator=gen, device=ctx.device) < 0.2, -1, idx)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
+        recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                     num_tokens_per_expert=per_expert, topk_idx=idx,
+                                                     topk_weights=torch.ones(idx.shape, device=ctx.device))
+        combined, _, _ = buffer.combine(recv_x, handle)
+        expected = (x.float() * in_rank.sum(dim=1, keepdim=True).float()).to(torch.bfloat16)
+        wrong["normal"] += (combined != expected).any(dim=1).sum()
+        buffer.clean_low_latency_buffer(n, hidden, num_experts)
+        for _ in range(replays):
+            trip.replay(wrong["graph"])
+    result = {f"wrong_{k}_tokens": int(v) for k, v in wrong.items()}
+    buffer.destroy()
+    return result
+
+
+def test_ll_nvlink_graph_replays_between_normal_calls(pool):
+    seed = base_seed()
+    results = pool(2).run(run_graph_between_normal_calls, seed, 20, 25, timeout=600)
+    for rank, r in enumerate(results):
+        assert r == dict(wrong_normal_tokens=0, wrong_graph_tokens=0), f"seed {seed}: rank {rank}: {r}"
+
+
 # ---------------------------------------------------------------------------------------------------
 # A call on a buffer half whose last receive (a hook) was issued on another stream
 # ---------------------------------------------------------------------------------------------------
