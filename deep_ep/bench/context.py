@@ -1,0 +1,210 @@
+"""One rank of the benchmark: its group and device, the collectives the benchmark itself needs, verification
+agreed by every rank, and the timing of a call."""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+PREFIX = "[deep_ep.bench]"
+FP8_FACTOR = (1 + 4 / 128) / 2  # DeepEP: an FP8 byte plus one float32 scale per 128 values, vs. BF16
+
+
+class VerificationError(AssertionError):
+    """A result differs from what the DeepEP contract says (raised on every rank at once)."""
+
+
+class RankContext:
+    """One rank: its group, device and the collectives the benchmark itself needs."""
+
+    def __init__(self, rank: int, plan: Dict[str, Any], group: Any, device: torch.device) -> None:
+        self.rank, self.plan, self.group, self.device = rank, plan, group, device
+        self.world = plan["num_ranks"]
+        self.is_cuda = device.type == "cuda"
+        self.nccl = plan["backend"] == "nccl"
+        # gloo moves CPU tensors only: CUDA tensors go through host memory, as a user would have to.
+        self.coll_device = device if self.nccl else torch.device("cpu")
+        self.checks: List[str] = []
+        self.phase_no = 0
+        self._l2_flush: Optional[torch.Tensor] = None
+
+    def sync(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        self.sync()
+        marker = torch.zeros(1, device=self.coll_device)
+        import torch.distributed as dist
+        dist.all_reduce(marker, group=self.group)
+        self.sync()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`[world, *tensor.shape]` on the tensor's device (bool tensors travel as uint8)."""
+        import torch.distributed as dist
+        src = tensor.contiguous()
+        as_bool = src.dtype == torch.bool
+        if as_bool:
+            src = src.to(torch.uint8)
+        src = src.to(self.coll_device)
+        parts = [torch.empty_like(src) for _ in range(self.world)]
+        dist.all_gather(parts, src, group=self.group)
+        out = torch.stack(parts).to(tensor.device)
+        return out.bool() if as_bool else out
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        import torch.distributed as dist
+        out: List[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[List[int]],
+            in_splits: Optional[List[int]]) -> None:
+        """`all_to_all_single` of rows (FP8 as bytes; through host memory on a gloo group)."""
+        import torch.distributed as dist
+        if out.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            out, inp = out.view(torch.uint8), inp.view(torch.uint8)
+        inp = inp.contiguous()
+        if out.device == self.coll_device:
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+        else:
+            staged = torch.empty(out.shape, dtype=out.dtype, device=self.coll_device)
+            dist.all_to_all_single(staged, inp.to(self.coll_device), out_splits, in_splits, group=self.group)
+            out.copy_(staged)
+
+    def phase(self, text: str) -> None:
+        self.phase_no += 1
+        if self.rank == 0:
+            print(f"{PREFIX} [{self.phase_no}/{self.plan['num_phases']}] {text}", file=sys.stderr, flush=True)
+
+    def verify(self, name: str, problems: List[str]) -> None:
+        """Agree across ranks on a check; raise VerificationError on every rank if any rank failed."""
+        everyone = self.all_gather_object(problems)
+        failed = [f"rank {r}: {p}" for r, ps in enumerate(everyone) for p in ps]
+        if failed:
+            raise VerificationError(f"{name} FAILED:\n  " + "\n  ".join(failed))
+        self.checks.append(name)
+
+    def time(self, fn: Callable[[], Any]) -> Dict[str, List[float]]:
+        """Seconds per call, after warm-up calls, several ways:
+        `streamed`: calls back to back, each bracketed by events on the current stream, with DeepEP's L2 flush
+          (256 MB zeroed) enqueued before each call, as DeepEP's own benchmark does: the GPU is busy with the
+          flush while the host prepares the call, so host work overlaps the GPU as in a model's forward pass;
+        `host`: host seconds of each of those calls (the Python and launch cost of the API);
+        `kernel` (GPU): GPU busy time per call from torch.profiler (the union of the kernels' and copies'
+          intervals, flushes excluded), the figure DeepEP's newer tests report;
+        `isolated`: a barrier before each call, so it starts on an idle GPU and pays all its host time."""
+        for _ in range(self.plan["warmup"]):
+            fn()
+        isolated, _ = self._series(fn, barrier_each=True)
+        self.barrier()
+        streamed, host = self._series(fn, barrier_each=False)
+        self.barrier()
+        times = dict(streamed=streamed, isolated=isolated, host=host)
+        if self.is_cuda:
+            times["kernel"], times["kernels"] = self._kernel_series(fn)
+            self.barrier()
+        return times
+
+    def _flush(self, marked: bool = False) -> None:
+        """DeepEP's L2 flush: 256 MB zeroed; `marked`: rewritten by a kernel the profiler can tell apart (a
+        negation, which no operation under test launches; it also reads, so it takes longer)."""
+        if self._l2_flush is None:
+            self._l2_flush = torch.empty(int(256e6) // 4, dtype=torch.int32, device=self.device)
+        if marked:
+            self._l2_flush.neg_()
+        else:
+            self._l2_flush.zero_()
+
+    def _series(self, fn: Callable[[], Any], barrier_each: bool) -> Tuple[List[float], List[float]]:
+        """Seconds of each of `iters` calls, events around each call (GPU) or the host clock (CPU), and the
+        host seconds of each call."""
+        host: List[float] = []
+        events = []
+        for _ in range(self.plan["iters"]):
+            if barrier_each:
+                self.barrier()
+            if self.is_cuda:
+                if not barrier_each:
+                    self._flush()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t0)
+            if self.is_cuda:
+                end.record()
+                events.append((start, end))
+        if not self.is_cuda:
+            return host, host
+        self.sync()
+        return [start.elapsed_time(end) / 1e3 for start, end in events], host
+
+    def _kernel_series(self, fn: Callable[[], Any]) -> Tuple[List[float], Dict[str, float]]:
+        """GPU busy seconds per call over `iters` calls, each after a flush (profiled; flushes left out), and
+        each kernel's (or copy's) microseconds per call."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+        iters = self.plan["iters"]
+        self.sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                self._flush(marked=True)
+                fn()
+            self.sync()
+        device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not is_flush(e.name)]
+        spans = sorted((e.time_range.start, e.time_range.end) for e in device_events)
+        per_kernel: Dict[str, float] = {}
+        for e in device_events:
+            name = e.name.split("(")[0][:48]
+            per_kernel[name] = per_kernel.get(name, 0.0) + (e.time_range.end - e.time_range.start) / iters
+        busy, reach = 0.0, float("-inf")
+        for begin, end in spans:   # the union of the intervals (kernels on two streams may overlap)
+            if end > reach:
+                busy += end - max(begin, reach)
+                reach = end
+        return [busy / 1e6 / iters], per_kernel
+
+
+
+def is_flush(name: str) -> bool:
+    """The marked L2 flush's kernel (see RankContext._flush)."""
+    return "neg_kernel" in name
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepEP's similarity measure: 1 - 2 sum((x+1)(y+1)) / sum((x+1)^2 + (y+1)^2), in float64."""
+    x, y = x.double() + 1, y.double() + 1
+    denominator = (x * x + y * y).sum()
+    return float(1 - 2 * (x * y).sum() / denominator)
+
+
+def random_routing(gen: torch.Generator, num_tokens: int, num_topk: int, num_experts: int, device: torch.device
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Distinct top-k experts per token, a few selections dropped (-1) and the last token sent nowhere."""
+    from ..config import topk_idx_t
+    scores = torch.randn(num_tokens, num_experts, generator=gen).abs() + 1
+    topk_idx = scores.topk(num_topk, dim=1).indices.to(topk_idx_t)
+    flat = topk_idx.view(-1)
+    flat[torch.randperm(flat.numel(), generator=gen)[:max(1, flat.numel() // 64)]] = -1
+    if num_tokens > 1:
+        topk_idx[-1] = -1
+    topk_weights = torch.randn(num_tokens, num_topk, generator=gen).abs().float()
+    return topk_idx.to(device), topk_weights.to(device)
+
+
+def median_us(times: Sequence[float]) -> float:
+    return statistics.median(times) * 1e6
+
+
+def record(results: Dict[str, Any], name: str, times: Dict[str, List[float]], nbytes: Optional[int],
+            baseline_times: Optional[Dict[str, List[float]]] = None, link_bytes: Optional[int] = None) -> None:
+    results[name] = dict(time_us=median_us(times["streamed"]), isolated_us=median_us(times["isolated"]),
+                         host_us=median_us(times["host"]) if "host" in times else None,
+                         kernel_us=median_us(times["kernel"]) if "kernel" in times else None,
+                         kernels=times.get("kernels"),
+                         bytes=nbytes, link_bytes=link_bytes,
+                         baseline_time_us=median_us(baseline_times["streamed"]) if baseline_times else None)
