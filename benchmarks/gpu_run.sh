@@ -16,6 +16,9 @@
 #   shrink: the automatic-masking test of tests/test_low_latency.py fifteen times, three at once, each with a
 #           fresh seed (its timing differs from run to run; three at once made a since-fixed race show up in 5 of
 #           18 runs instead of 1 in 5)
+#   clients: the tests of the frameworks' call patterns, in one group (Megatron's autograd functions, slime's
+#            32-byte rows, DeepGEMM's padded scales and chained events in the 2-rank normal cases, Buffers over
+#            gloo and mixed-backend groups, hooks on another thread, a low-latency graph between normal calls)
 #   deepep: DeepEP's own V1 test scripts against this package (benchmarks/deepep_tests.py; a copy of DeepEP's V1
 #           tests folder in _deepep_tests/), after the benchmark and before the tests: test_intranode and
 #           test_low_latency at 2 ranks (2 GPUs; on one GPU both ranks share it, small shapes),
@@ -135,6 +138,11 @@ if has shrink; then   # automatic masking (5 ranks, three stop calling) again an
         (for i in 1 2 3 4 5; do run_tests "tests_shrink_${stream}_$i" tests/test_low_latency.py -k stop_calling; done) &
     done
 fi
+if has clients; then
+    run_tests tests_clients "tests/test_normal.py::test_intranode[2ranks]" tests/test_autograd.py \
+        "tests/test_low_latency.py::test_low_latency[2]" tests/test_api.py::test_buffer_on_two_ranks \
+        tests/test_nvlink_low_latency.py::test_ll_nvlink_graph_replays_between_normal_calls &
+fi
 if has other; then
     run_tests tests_other tests --ignore=tests/test_nvlink.py --ignore=tests/test_nvlink_launch.py \
         --ignore=tests/test_nvlink_low_latency.py --ignore=tests/test_low_latency.py &
@@ -147,7 +155,7 @@ if [ -f "$out/bench.txt" ]; then
     echo "bench exit $bench_status"
 fi
 for log in tests_nvlink_sweep tests_nvlink_rings tests_nvlink_model tests_nvlink_other tests_rings_only tests_ll_compare \
-           tests_ll_variants tests_ll_other tests_other; do
+           tests_ll_variants tests_ll_other tests_clients tests_other; do
     [ -f "$out/$log.log" ] || continue
     echo "--- $log"
     grep -v "CudaIPCTypes" "$out/$log.log" | grep -E "(PASSED|FAILED|ERROR)( |$)|^(FAILED|ERROR) |passed|failed| exit " \
