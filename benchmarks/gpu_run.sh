@@ -18,7 +18,8 @@
 #           18 runs instead of 1 in 5)
 #   clients: the tests of the frameworks' call patterns, in one group (Megatron's autograd functions, slime's
 #            32-byte rows, DeepGEMM's padded scales and chained events in the 2-rank normal cases, Buffers over
-#            gloo and mixed-backend groups, hooks on another thread, a low-latency graph between normal calls)
+#            gloo groups (and mixed-backend ones on 2 GPUs), calls and hooks on other threads (a device change
+#            on 2 GPUs only), a low-latency graph between normal calls)
 #   deepep: DeepEP's own V1 test scripts against this package (benchmarks/deepep_tests.py; a copy of DeepEP's V1
 #           tests folder in _deepep_tests/), after the benchmark and before the tests: test_intranode and
 #           test_low_latency at 2 ranks (2 GPUs; on one GPU both ranks share it, small shapes),

@@ -652,7 +652,11 @@ class Buffer:
                 # must reach the GPU in order (they share the buffer halves)
                 stream.wait_stream(self._comm_stream.stream)
             self._low_latency_async = False
-            out, receive = launch()
+            if stream is not None and torch._C._cuda_getDevice() != self.device.index:
+                with torch.cuda.stream(stream):   # a caller whose current device is another (a fresh thread)
+                    out, receive = launch()
+            else:
+                out, receive = launch()
 
             def complete():
                 if stream is None:

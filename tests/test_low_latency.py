@@ -506,13 +506,15 @@ def _expect_runtime_error(chk: Checker, what: str, fn) -> None:
     chk.fail(what, "expected RuntimeError, nothing was raised")
 
 
-def run_on_another_thread(fn: Callable[[], Any]) -> None:
-    """Calls `fn` on a new thread (which has not set a CUDA device) and re-raises what it raised."""
+def run_on_another_thread(fn: Callable[[], Any]) -> Any:
+    """`fn()` called on a new thread (whose current CUDA device is the first: it has not set one); re-raises
+    what it raised."""
+    returned: List[Any] = []
     raised: List[BaseException] = []
 
     def target() -> None:
         try:
-            fn()
+            returned.append(fn())
         except BaseException as e:  # noqa: BLE001 - handed to the calling thread
             raised.append(e)
 
@@ -521,13 +523,15 @@ def run_on_another_thread(fn: Callable[[], Any]) -> None:
     thread.join()
     if raised:
         raise raised[0]
+    return returned[0]
 
 
 def run_pipeline(chk: Checker, ctx, seed: int, misuse: bool) -> None:
     """Two micro-batches A and B with both dispatches and both combines in flight (hooks), as in DeepEP's
     two-micro-batch overlap: dA dB hA cA(zero-copy) hB cB(out=) then the combine hooks. Shared stats tensors
-    accumulate over both batches. Without `misuse`, dispatch B's and combine A's hooks run on another thread
-    (vLLM's dual-batch overlap). With `misuse`: a third LL call while the call two before still has an
+    accumulate over both batches. Without `misuse`, dispatch B (the call and its hook) and combine A's hook run
+    on other threads (vLLM's dual-batch overlap; on a rank of another GPU than the first, a thread that has not
+    set its device). With `misuse`: a third LL call while the call two before still has an
     un-run hook, and hooks called twice, must raise RuntimeError and leave the buffer usable."""
     num_ranks, rank = ctx.world_size, ctx.rank
     e_loc, n, hidden, topk = 3, 8, 256, 4
@@ -543,9 +547,10 @@ def run_pipeline(chk: Checker, ctx, seed: int, misuse: bool) -> None:
             "B": dict(fp8=False, round_scale=False, ue8m0=False, dmode="hook")}
     cum = torch.zeros(e_loc, dtype=torch.int32, device=ctx.device)
     wait = torch.zeros(num_ranks, dtype=torch.int64, device=ctx.device)
-    hook_caller = (lambda hook: hook()) if misuse else run_on_another_thread
+    hook_caller = (lambda fn: fn()) if misuse else run_on_another_thread
     chk.at(f"pipeline misuse={misuse}")
-    out = {k: ll_dispatch(buf, ctx, srcs[k][rank], n, num_experts, opts[k], cum, wait) for k in ("A", "B")}
+    out = {"A": ll_dispatch(buf, ctx, srcs["A"][rank], n, num_experts, opts["A"], cum, wait),
+           "B": hook_caller(lambda: ll_dispatch(buf, ctx, srcs["B"][rank], n, num_experts, opts["B"], cum, wait))}
     for k in ("A", "B"):
         chk.hook(f"dispatch {k}", out[k][4], True)
         chk.event(f"dispatch {k}", out[k][3], False)

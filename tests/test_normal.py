@@ -88,11 +88,14 @@ def wide_random(gen: torch.Generator, *shape: int, dtype=torch.bfloat16) -> torc
 
 
 def to_device(x, device):
+    """`x` on `device` with its strides (`.to` would make a padded layout, such as TMA-aligned scales, dense)."""
     if x is None:
         return None
     if isinstance(x, tuple):
         return tuple(to_device(v, device) for v in x)
-    return x.to(device)
+    if x.is_contiguous():
+        return x.to(device)
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device).copy_(x)
 
 
 def make_sources(seed: int, case: Dict[str, Any], num_ranks: int, ranks_per_node: Optional[int]) -> List[model.Source]:
@@ -206,7 +209,7 @@ def event_kwargs(mode: str, last_event: Any = None):
     from deep_ep import Buffer
     if mode == "chain":  # synchronous, after the previous call's event (EventOverlap(None): Megatron, slime)
         return dict(previous_event=last_event), False
-    if mode == "chain_async_alloc":
+    if mode == "chain_async_alloc":   # (safe here: the inputs come from host copies, which the host waits for)
         return dict(previous_event=last_event, async_finish=True, allocate_on_comm_stream=last_event is not None), True
     if mode == "sync":
         return {}, False

@@ -1,5 +1,6 @@
 """One rank of the benchmark: its group and device, the collectives the benchmark itself needs, verification
-agreed by every rank, and the timing of a call."""
+agreed by every rank and the timing of a call; with the helpers both modes share (random routing, DeepEP's
+calc_diff, recording a result)."""
 from __future__ import annotations
 
 import statistics

@@ -1,4 +1,5 @@
-"""Normal mode on one rank: layout, dispatch (BF16, FP8), cached dispatch, combine, each verified and timed."""
+"""Normal mode on one rank: layout, dispatch (BF16, FP8), cached dispatch, combine, each verified and timed
+beside its baseline; on GPUs also the copy engine's peer bandwidth (the ceiling)."""
 from __future__ import annotations
 
 from typing import Any, Dict

@@ -1,4 +1,4 @@
-"""The report: rank 0's figures as JSON, as a table and as a bar chart."""
+"""The report: rank 0's figures gathered into one dict (printed as JSON with --json), as a table, as a bar chart."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
