@@ -531,8 +531,8 @@ def run_pipeline(chk: Checker, ctx, seed: int, misuse: bool) -> None:
     two-micro-batch overlap: dA dB hA cA(zero-copy) hB cB(out=) then the combine hooks. Shared stats tensors
     accumulate over both batches. Without `misuse`, dispatch B (the call and its hook) and combine A's hook run
     on other threads (vLLM's dual-batch overlap; on a rank of another GPU than the first, a thread that has not
-    set its device). With `misuse`: a third LL call while the call two before still has an
-    un-run hook, and hooks called twice, must raise RuntimeError and leave the buffer usable."""
+    set its device). With `misuse`: a third LL call while the call two before still has an un-run hook, and
+    hooks called twice, must raise RuntimeError and leave the buffer usable."""
     num_ranks, rank = ctx.world_size, ctx.rank
     e_loc, n, hidden, topk = 3, 8, 256, 4
     num_experts = e_loc * num_ranks
@@ -547,10 +547,10 @@ def run_pipeline(chk: Checker, ctx, seed: int, misuse: bool) -> None:
             "B": dict(fp8=False, round_scale=False, ue8m0=False, dmode="hook")}
     cum = torch.zeros(e_loc, dtype=torch.int32, device=ctx.device)
     wait = torch.zeros(num_ranks, dtype=torch.int64, device=ctx.device)
-    hook_caller = (lambda fn: fn()) if misuse else run_on_another_thread
+    call_elsewhere = (lambda fn: fn()) if misuse else run_on_another_thread
     chk.at(f"pipeline misuse={misuse}")
     out = {"A": ll_dispatch(buf, ctx, srcs["A"][rank], n, num_experts, opts["A"], cum, wait),
-           "B": hook_caller(lambda: ll_dispatch(buf, ctx, srcs["B"][rank], n, num_experts, opts["B"], cum, wait))}
+           "B": call_elsewhere(lambda: ll_dispatch(buf, ctx, srcs["B"][rank], n, num_experts, opts["B"], cum, wait))}
     for k in ("A", "B"):
         chk.hook(f"dispatch {k}", out[k][4], True)
         chk.event(f"dispatch {k}", out[k][3], False)
@@ -581,7 +581,7 @@ def run_pipeline(chk: Checker, ctx, seed: int, misuse: bool) -> None:
                               lambda: buf.low_latency_combine(ys["B"][rank].to(ctx.device),
                                                               srcs["B"][rank].topk_idx.to(ctx.device),
                                                               srcs["B"][rank].topk_weights.to(ctx.device), out["B"][2]))
-    hook_caller(out["B"][4])
+    call_elsewhere(out["B"][4])
     check_dispatch(chk, out["A"], regs["A"][rank], srcs["A"], opts["A"], n, hidden, num_experts)
     check_dispatch(chk, out["B"], regs["B"][rank], srcs["B"], opts["B"], n, hidden, num_experts)
     chk.equal("cumulative stats over two in-flight dispatches", cum.cpu(),
@@ -597,7 +597,7 @@ def run_pipeline(chk: Checker, ctx, seed: int, misuse: bool) -> None:
         _expect_runtime_error(chk, "third LL call (dispatch) while combine A's hook is pending",
                               lambda: ll_dispatch(buf, ctx, srcs["A"][rank], n, num_experts,
                                                   dict(opts["B"], dmode="sync")))
-    hook_caller(ca[2])
+    call_elsewhere(ca[2])
     cb[2]()
     if misuse:
         _expect_runtime_error(chk, "combine hook called twice", cb[2])
