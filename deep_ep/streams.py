@@ -31,10 +31,15 @@ def _field_names(cls: type) -> Tuple[str, ...]:
     return tuple(field.name for field in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
 
 
-# the C functions behind torch.cuda's stream and event methods: their Python wrappers cost several times more
-# host time, which is a good part of a short call's
-_record = getattr(torch._C, "_CudaEventBase", None) and torch._C._CudaEventBase.record
-_wait = getattr(torch._C, "_CudaEventBase", None) and torch._C._CudaEventBase.wait
+def _event_method(name: str) -> Callable[..., None]:
+    """The C function behind torch.cuda.Event.`name`, called as (event, stream); its Python wrapper costs
+    several times more host time, a good part of a short call's. Builds without it (CPU-only builds define
+    the class empty) get the wrapper, which takes the same arguments."""
+    return getattr(getattr(torch._C, "_CudaEventBase", None), name, None) or getattr(torch.cuda.Event, name)
+
+
+_record = _event_method("record")
+_wait = _event_method("wait")
 
 
 def stream_of(ids: Tuple[int, int, int]) -> "torch.cuda.Stream":
