@@ -43,6 +43,13 @@ def _shown_argument(name: str, value: int) -> Any:
     return None if name == "num_ranks_per_node" and value == -1 else value
 
 
+class _DestroyedTransport:
+    """Stands in for the transport of a destroyed Buffer: every use is an error that says so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"{name}: this Buffer was destroyed; create a new one")
+
+
 class Buffer:
     """Expert-parallel communication buffer: normal (high-throughput) and low-latency all-to-all.
 
@@ -191,6 +198,8 @@ class Buffer:
                 else:
                     self._group.barrier("destroy", unmasked_ranks(self._mask, self.rank))
         finally:   # (released even if the barrier times out)
+            # dropping the transport frees the GPU memory it owns now, not when this Buffer is collected
+            self._transport = _DestroyedTransport()
             self._nvl_buffer = self._rdma_buffer = None
             self._checked_handle = (None, {})
             self.runtime = None

@@ -28,6 +28,7 @@ class ReceiveHook:
             if self._started and not self._done:
                 return False
             self._stale = by
+            self._receive = None   # (it may hold the destroyed buffer's memory)
             return True
 
     def __call__(self) -> None:

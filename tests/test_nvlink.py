@@ -6,7 +6,9 @@ rest of the suite runs on the NVLink transport too ("auto" picks it); these test
 the reference transport at large shapes, small buffers (rows stream through the rings in many rounds),
 8 ranks, CUDA-graph capture, a long stress run and the NVLink-specific errors.
 """
-from typing import Any, Dict, List, Optional
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -275,6 +277,54 @@ def test_auto_picks_nvlink_on_one_node(pool):
 # Stream order: every call runs on the comm stream, so a synchronous call made right after an
 # asynchronous one (without waiting for its event) still runs after it
 # ---------------------------------------------------------------------------------------------------
+def run_destroy_frees_memory(ctx) -> Tuple[int, int]:
+    """(bytes a Buffer holds, bytes still held after its destroy()), on this rank's device."""
+    from deep_ep import Buffer
+    torch.cuda.synchronize(ctx.device)
+    before = torch.cuda.memory_allocated(ctx.device)
+    rdma_bytes = Buffer.get_low_latency_rdma_size_hint(64, 1024, ctx.world_size, 8 * ctx.world_size)
+    buffer = Buffer(ctx.group, 1 << 26, rdma_bytes, low_latency_mode=True, num_qps_per_rank=8,
+                    explicitly_destroy=True, transport="nvlink")
+    held = torch.cuda.memory_allocated(ctx.device) - before
+    buffer.destroy()
+    return held, torch.cuda.memory_allocated(ctx.device) - before
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_nvlink_destroy_frees_the_gpu_memory(pool, world_size):
+    """destroy() gives the NVLink and low-latency buffers back at once (not when the Buffer is collected),
+    with peers that opened them through CUDA IPC."""
+    for rank, (held, left) in enumerate(pool(world_size).run(run_destroy_frees_memory)):
+        assert held >= 1 << 26 and left < 1 << 20, f"rank {rank}: held {held} bytes, {left} after destroy()"
+
+
+def test_nvlink_one_rank_buffer_frees_its_memory_and_exits_quietly(tmp_path):
+    """A one-rank NVLink Buffer, twice in one process: destroy() frees its memory, and the process exits
+    without PyTorch reporting CUDA IPC shares that nobody released."""
+    import subprocess
+    import sys
+    import textwrap
+    script = tmp_path / "one_rank.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from dist_utils import RankContext
+        from test_nvlink import run_destroy_frees_memory
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        for _ in range(2):
+            held, left = run_destroy_frees_memory(RankContext(0, 1, dist.group.WORLD, torch.device("cuda", 0)))
+            assert held >= 1 << 26 and left < 1 << 20, (held, left)
+        dist.destroy_process_group()
+        print("ok")
+    """))
+    tests = Path(__file__).parent
+    path = os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert "shared CUDA tensors" not in done.stderr, done.stderr[-3000:]
+
+
 def run_async_then_sync(ctx, seed: int, rounds: int) -> List[str]:
     from deep_ep import Buffer, Config
     num_tokens, hidden, topk, num_experts = 2048, 2048, 8, 32

@@ -21,13 +21,21 @@ class PeerBuffers:
     def __init__(self, local: torch.Tensor, group: Group) -> None:
         if not local.is_cuda:
             raise ValueError("the NVLink transport needs the Buffer's device to be a CUDA device")
-        shared = group.all_gather_object((local.device.index, reduce_tensor(local)))
+        # one share per peer: PyTorch gives each share a cross-process counter that its one consumer
+        # releases, and keeps the memory (reporting it at exit) while a counter is held. A single share opened
+        # by every peer would be released too often with 3+ ranks and never with one.
+        shares = [None if rank == group.rank else reduce_tensor(local) for rank in range(group.size)]
+        shared = group.all_gather_object((local.device.index, shares))
         for device_index, _ in shared:
             _enable_peer_access(local.device.index, device_index)
         self.local = local
         self.peers: List[torch.Tensor] = []
-        for rank, (_, (rebuild, args)) in enumerate(shared):
-            self.peers.append(local if rank == group.rank else _open_on(local.device.index, rebuild, args))
+        for rank, (_, their_shares) in enumerate(shared):
+            if rank == group.rank:
+                self.peers.append(local)
+            else:
+                rebuild, args = their_shares[group.rank]
+                self.peers.append(_open_on(local.device.index, rebuild, args))
         self.bases = torch.tensor([t.data_ptr() for t in self.peers], dtype=torch.int64, device=local.device)
 
     def close(self) -> None:
