@@ -9,7 +9,9 @@ class ReceiveHook:
     """Completes a low-latency call when invoked; may run on any thread, exactly once."""
 
     def __init__(self, receive: Callable[[], None], name: str, check: Optional[Callable[[], None]] = None) -> None:
-        self._receive, self._name, self._check = receive, name, check   # check: may refuse a call (kept callable)
+        self._receive: Optional[Callable[[], None]] = receive
+        self._check = check   # may refuse a call (kept callable)
+        self._name = name
         self.output: Optional[object] = None   # what the receive fills in (a dispatch's src_info), if set
         self._lock = threading.Lock()
         self._started = False
@@ -28,12 +30,13 @@ class ReceiveHook:
             if self._started and not self._done:
                 return False
             self._stale = by
-            self._receive = None   # (it may hold the destroyed buffer's memory)
+            self._release()
             return True
 
     def __call__(self) -> None:
-        if self._check is not None:
-            self._check()
+        check = self._check   # (read once: another thread may release it)
+        if check is not None:
+            check()
         with self._lock:
             if self._stale is not None:
                 raise RuntimeError(f"the receive hook of {self._name} was discarded by {self._stale}")
@@ -44,6 +47,13 @@ class ReceiveHook:
             self._receive()
         finally:
             self._done = True
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the closures once they cannot run any more: they refer to the Buffer, which holds this hook
+        until its buffer half is reused, and that cycle would keep the Buffer's memory until Python's cycle
+        collector runs (a Buffer dropped without destroy() frees its memory at once otherwise)."""
+        self._receive = self._check = None
 
 
 class LowLatencySlots:

@@ -819,6 +819,25 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
         assert any(issubclass(w.category, RuntimeWarning) and "destroy()" in str(w.message) for w in caught), \
             [str(w.message) for w in caught]
 
+    with c.check("dropped_buffer_is_freed_at_once"):
+        # clients replace a Buffer by dropping it (no destroy()): its memory must go with the last reference,
+        # not wait for Python's cycle collector, also after calls with receive hooks
+        gc.disable()
+        try:
+            dropped = Buffer(group, nvl, rdma, low_latency_mode=True, num_qps_per_rank=E // 2)
+            tiny_dispatch(ctx, dropped)
+            x, topk_idx, topk_weights = routing(ctx)
+            recv_x, _, handle, _, hook = dropped.low_latency_dispatch(x, topk_idx, N, E, use_fp8=False,
+                                                                      return_recv_hook=True)
+            hook()
+            _, _, hook = dropped.low_latency_combine(recv_x, topk_idx, topk_weights, handle, return_recv_hook=True)
+            hook()
+            alive = weakref.ref(dropped)
+            del dropped, recv_x, handle, hook
+            assert alive() is None, "a dropped Buffer is only freed by the cycle collector"
+        finally:
+            gc.enable()
+
     with c.check("low_latency_combine_of_fewer_tokens"):   # spec 9.4: the combine's T defines the output rows
         short = Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // 2)
         x = (100 * ctx.rank + torch.arange(T, dtype=torch.float32)).view(T, 1).expand(T, H)
@@ -937,6 +956,7 @@ API_CHECKS = ["constructor_errors_local", "positional_construction_and_attribute
               "num_qps_per_rank_0_in_low_latency_mode", "low_latency_area_of_the_layout_total",
               "low_latency_area_below_the_layout_total", "several_buffers", "destroy_requires_flag",
               "destroy_then_api_raises_runtime_error", "new_buffer_after_destroy", "leak_warning",
+              "dropped_buffer_is_freed_at_once",
               "low_latency_combine_of_fewer_tokens", "construction_arguments_agree", "num_worst_tokens_per_rank",
               "comm_without_group", "groups_of_other_backends",
               "fp8_scales_of_any_count", "combine_before_receive_hook", "mask_api"]

@@ -277,30 +277,56 @@ def test_auto_picks_nvlink_on_one_node(pool):
 # Stream order: every call runs on the comm stream, so a synchronous call made right after an
 # asynchronous one (without waiting for its event) still runs after it
 # ---------------------------------------------------------------------------------------------------
-def run_destroy_frees_memory(ctx) -> Tuple[int, int]:
-    """(bytes a Buffer holds, bytes still held after its destroy()), on this rank's device."""
+def run_buffer_memory(ctx, destroy: bool = True) -> Tuple[int, int]:
+    """(bytes a Buffer holds, bytes still held once it is gone) on this rank's device, after normal and
+    low-latency calls (with receive hooks): gone means destroy(), or with `destroy=False` its last reference
+    dropped while Python's cycle collector is off (one rank: with peers, a dropped buffer stays until the peers
+    drop theirs)."""
+    import gc
     from deep_ep import Buffer
+    T, H, E = 16, 1024, 8 * ctx.world_size
+    gen = generator(base_seed(), "buffer memory", ctx.rank)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
+    topk_idx = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :2].to(ctx.device)
+    topk_weights = torch.rand(T, 2, generator=gen).to(ctx.device)
     torch.cuda.synchronize(ctx.device)
     before = torch.cuda.memory_allocated(ctx.device)
-    rdma_bytes = Buffer.get_low_latency_rdma_size_hint(64, 1024, ctx.world_size, 8 * ctx.world_size)
-    buffer = Buffer(ctx.group, 1 << 26, rdma_bytes, low_latency_mode=True, num_qps_per_rank=8,
-                    explicitly_destroy=True, transport="nvlink")
-    held = torch.cuda.memory_allocated(ctx.device) - before
-    buffer.destroy()
-    return held, torch.cuda.memory_allocated(ctx.device) - before
+    gc.disable()
+    try:
+        buffer = Buffer(ctx.group, 1 << 26, Buffer.get_low_latency_rdma_size_hint(T, H, ctx.world_size, E),
+                        low_latency_mode=True, num_qps_per_rank=8, explicitly_destroy=destroy, transport="nvlink")
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+        received = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                   num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+        buffer.combine(received[0], received[4], received[2])
+        recv_x, _, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False,
+                                                                 return_recv_hook=True)
+        hook()
+        _, _, hook = buffer.low_latency_combine(recv_x, topk_idx, topk_weights, handle, return_recv_hook=True)
+        hook()
+        torch.cuda.synchronize(ctx.device)
+        held = torch.cuda.memory_allocated(ctx.device) - before
+        del received, recv_x, handle, hook
+        if destroy:
+            buffer.destroy()
+        del buffer
+        return held, torch.cuda.memory_allocated(ctx.device) - before
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_nvlink_destroy_frees_the_gpu_memory(pool, world_size):
-    """destroy() gives the NVLink and low-latency buffers back at once (not when the Buffer is collected),
-    with peers that opened them through CUDA IPC."""
-    for rank, (held, left) in enumerate(pool(world_size).run(run_destroy_frees_memory)):
+    """destroy() gives the NVLink and low-latency buffers back at once, with peers that opened them through
+    CUDA IPC."""
+    for rank, (held, left) in enumerate(pool(world_size).run(run_buffer_memory)):
         assert held >= 1 << 26 and left < 1 << 20, f"rank {rank}: held {held} bytes, {left} after destroy()"
 
 
 def test_nvlink_one_rank_buffer_frees_its_memory_and_exits_quietly(tmp_path):
-    """A one-rank NVLink Buffer, twice in one process: destroy() frees its memory, and the process exits
-    without PyTorch reporting CUDA IPC shares that nobody released."""
+    """One-rank NVLink Buffers in one process: destroy() frees the memory (twice), so does dropping a Buffer
+    without destroy() (no cycle keeps it), and the process exits without PyTorch reporting CUDA IPC shares
+    that nobody released."""
     import subprocess
     import sys
     import textwrap
@@ -308,12 +334,13 @@ def test_nvlink_one_rank_buffer_frees_its_memory_and_exits_quietly(tmp_path):
     script.write_text(textwrap.dedent("""
         import torch, torch.distributed as dist
         from dist_utils import RankContext
-        from test_nvlink import run_destroy_frees_memory
+        from test_nvlink import run_buffer_memory
         torch.cuda.set_device(0)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        for _ in range(2):
-            held, left = run_destroy_frees_memory(RankContext(0, 1, dist.group.WORLD, torch.device("cuda", 0)))
-            assert held >= 1 << 26 and left < 1 << 20, (held, left)
+        ctx = RankContext(0, 1, dist.group.WORLD, torch.device("cuda", 0))
+        for destroy in (True, True, False):
+            held, left = run_buffer_memory(ctx, destroy)
+            assert held >= 1 << 26 and left < 1 << 20, (destroy, held, left)
         dist.destroy_process_group()
         print("ok")
     """))
