@@ -287,7 +287,7 @@ def run_buffer_memory(ctx, destroy: bool = True) -> Tuple[int, int]:
     T, H, E = 16, 1024, 8 * ctx.world_size
     gen = generator(base_seed(), "buffer memory", ctx.rank)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
-    topk_idx = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :2].to(ctx.device)
+    topk_idx = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :2].contiguous().to(ctx.device)
     topk_weights = torch.rand(T, 2, generator=gen).to(ctx.device)
     torch.cuda.synchronize(ctx.device)
     before = torch.cuda.memory_allocated(ctx.device)
