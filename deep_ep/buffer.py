@@ -182,7 +182,9 @@ class Buffer:
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def destroy(self) -> None:
-        """Release the buffers (collective). Requires `explicitly_destroy=True`."""
+        """Release the buffers (collective). Requires `explicitly_destroy=True`. Their GPU memory is free when
+        this returns, except what tensors the caller still holds view (`get_local_buffer_tensor`, a zero-copy
+        combine buffer); any later use of this Buffer raises RuntimeError."""
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
         self._live("destroy")
         self._refuse_capture("destroy", "it waits for the GPU and the other ranks on the host")
