@@ -5,6 +5,9 @@ session; `pool.run(fn, *args)` calls `fn(ctx, *args)` on every rank and returns 
 `fn` must be importable (module-level). If any rank fails, the failure is raised in the test and
 the pool is restarted, so a broken group never leaks into the next test.
 
+Also: `run_on_another_thread` (a call on a fresh thread, as serving engines make hooks) and `run_script` (a
+Python script in a fresh process that imports the tests' modules and this checkout's package).
+
 Device: CPU + gloo by default. With `DEEP_EP_TEST_DEVICE=cuda`, ranks use GPUs (rank % num_gpus):
 an NCCL group when every rank has its own GPU, else a gloo group with CUDA tensors.
 """
@@ -13,7 +16,11 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import subprocess
+import sys
+import threading
 import traceback
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
@@ -29,6 +36,35 @@ class RankContext:
     world_size: int
     group: Any
     device: torch.device
+
+
+def run_on_another_thread(fn: Callable[[], Any]) -> Any:
+    """`fn()` called on a new thread (whose current CUDA device is the first: it has not set one); re-raises
+    what it raised."""
+    returned: List[Any] = []
+    raised: List[BaseException] = []
+
+    def target() -> None:
+        try:
+            returned.append(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+            raised.append(e)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if raised:
+        raise raised[0]
+    return returned[0]
+
+
+def run_script(script: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """Run `script` with this Python, the tests' folder and the checkout on its path and `env` added to the
+    environment; its output is captured as text."""
+    tests = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=path, **env),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_device_kind() -> str:

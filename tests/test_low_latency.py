@@ -20,15 +20,15 @@ records mismatches instead of raising, so that every rank keeps taking part in t
 from __future__ import annotations
 
 import os
-import threading
 import traceback
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
 
 import model_low_latency as M
+from dist_utils import run_on_another_thread
 from randomness import base_seed, bits, generator
 
 # ---------------------------------------------------------------------------------------------------
@@ -504,26 +504,6 @@ def _expect_runtime_error(chk: Checker, what: str, fn) -> None:
         chk.fail(what, f"expected RuntimeError, got {type(exc).__name__}: {exc}")
         return
     chk.fail(what, "expected RuntimeError, nothing was raised")
-
-
-def run_on_another_thread(fn: Callable[[], Any]) -> Any:
-    """`fn()` called on a new thread (whose current CUDA device is the first: it has not set one); re-raises
-    what it raised."""
-    returned: List[Any] = []
-    raised: List[BaseException] = []
-
-    def target() -> None:
-        try:
-            returned.append(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
-            raised.append(e)
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    if raised:
-        raise raised[0]
-    return returned[0]
 
 
 def run_pipeline(chk: Checker, ctx, seed: int, misuse: bool) -> None:

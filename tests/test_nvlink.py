@@ -6,13 +6,12 @@ rest of the suite runs on the NVLink transport too ("auto" picks it); these test
 the reference transport at large shapes, small buffers (rows stream through the rings in many rounds),
 8 ranks, CUDA-graph capture, a long stress run and the NVLink-specific errors.
 """
-import os
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
 
+from dist_utils import run_script
 from randomness import base_seed, bits, generator
 from test_normal import CASES_4, _report, make_routing, make_x, random_cases, run_cases, to_device, wide_random
 
@@ -274,8 +273,7 @@ def test_auto_picks_nvlink_on_one_node(pool):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Stream order: every call runs on the comm stream, so a synchronous call made right after an
-# asynchronous one (without waiting for its event) still runs after it
+# Memory: destroy() and dropping a Buffer give its GPU memory back at once
 # ---------------------------------------------------------------------------------------------------
 def run_buffer_memory(ctx, destroy: bool = True) -> Tuple[int, int]:
     """(bytes a Buffer holds, bytes still held once it is gone) on this rank's device, after normal and
@@ -287,8 +285,7 @@ def run_buffer_memory(ctx, destroy: bool = True) -> Tuple[int, int]:
     T, H, E = 16, 1024, 8 * ctx.world_size
     gen = generator(base_seed(), "buffer memory", ctx.rank)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
-    topk_idx = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :2].contiguous().to(ctx.device)
-    topk_weights = torch.rand(T, 2, generator=gen).to(ctx.device)
+    topk_idx, topk_weights = to_device(make_routing(gen, T, 2, E), ctx.device)
     torch.cuda.synchronize(ctx.device)
     before = torch.cuda.memory_allocated(ctx.device)
     gc.disable()
@@ -327,8 +324,6 @@ def test_nvlink_one_rank_buffer_frees_its_memory_and_exits_quietly(tmp_path):
     """One-rank NVLink Buffers in one process: destroy() frees the memory (twice), so does dropping a Buffer
     without destroy() (no cycle keeps it), and the process exits without PyTorch reporting CUDA IPC shares
     that nobody released."""
-    import subprocess
-    import sys
     import textwrap
     script = tmp_path / "one_rank.py"
     script.write_text(textwrap.dedent("""
@@ -344,14 +339,15 @@ def test_nvlink_one_rank_buffer_frees_its_memory_and_exits_quietly(tmp_path):
         dist.destroy_process_group()
         print("ok")
     """))
-    tests = Path(__file__).parent
-    path = os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path)
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    done = run_script(script, 300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
     assert "shared CUDA tensors" not in done.stderr, done.stderr[-3000:]
 
 
+# ---------------------------------------------------------------------------------------------------
+# Stream order: every call runs on the comm stream, so a synchronous call made right after an
+# asynchronous one (without waiting for its event) still runs after it
+# ---------------------------------------------------------------------------------------------------
 def run_async_then_sync(ctx, seed: int, rounds: int) -> List[str]:
     from deep_ep import Buffer, Config
     num_tokens, hidden, topk, num_experts = 2048, 2048, 8, 32

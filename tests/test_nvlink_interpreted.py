@@ -4,12 +4,10 @@ address (tests/interpreted_low_latency.py), and the normal-mode combine's reduct
 senders leave them (tests/interpreted_combine.py). The interpreter runs every program in turn, so this
 checks the kernels' logic (protocol counters, masks, tables, routes, row order, the FP8 cast and scales, the
 combines' sums), not their memory ordering or speed."""
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import run_script
 from randomness import base_seed
 
 triton = pytest.importorskip("triton")
@@ -23,10 +21,8 @@ def _version(text: str):
 @pytest.mark.skipif(_version(triton.__version__) < (3, 7), reason="needs Triton >= 3.7's interpreter")
 @pytest.mark.parametrize("script", ["interpreted_low_latency.py", "interpreted_combine.py"])
 def test_kernels_match_under_the_interpreter(script):
-    tests = Path(__file__).resolve().parent
     seed = base_seed()
-    env = dict(os.environ, TRITON_INTERPRET="1", DEEP_EP_TEST_SEED=str(seed),
-               PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(tests / script)], env=env, capture_output=True, text=True, timeout=900)
+    done = run_script(Path(__file__).resolve().parent / script, 900, TRITON_INTERPRET="1",
+                      DEEP_EP_TEST_SEED=str(seed))
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), \
         f"seed={seed} (replay with DEEP_EP_TEST_SEED={seed}):\n" + done.stdout[-3000:] + done.stderr[-3000:]

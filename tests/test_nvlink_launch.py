@@ -10,6 +10,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from deep_ep.transport.nvlink import launcher  # noqa: E402
+from dist_utils import run_script  # noqa: E402
 from randomness import base_seed, generator  # noqa: E402
 
 
@@ -213,8 +214,6 @@ def test_a_kernel_triton_cannot_compile_is_named_with_the_way_around_it(recorder
 def test_relaunch_runs_under_tritons_interpreter(tmp_path):
     """A kernel of Triton's interpreter (no `params`) relaunched on CPU tensors: Triton's own path, correct
     results."""
-    import subprocess
-    import sys
     import textwrap
     script = tmp_path / "interpreted.py"
     script.write_text(textwrap.dedent("""
@@ -234,9 +233,7 @@ def test_relaunch_runs_under_tritons_interpreter(tmp_path):
             assert torch.equal(dst[:n], src[:n] * 2) and not dst[n:].any(), (n, src, dst)
         print("ok")
     """))
-    import os
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    done = run_script(script, 120, TRITON_INTERPRET="1")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 

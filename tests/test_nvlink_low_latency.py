@@ -6,13 +6,13 @@ tests/test_low_latency.py also runs on this path ("auto" picks it) against the m
 bitwise comparison with the reference transport at decode shapes, 8 ranks, CUDA-graph replays with
 changing routing, hooks called from another thread, and the errors found on the GPU.
 """
-import threading
 import time
 from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
 
+from dist_utils import run_on_another_thread
 from randomness import base_seed, bits, generator
 from test_low_latency import make_routing, make_x
 
@@ -69,9 +69,7 @@ def _dispatch(buf, x, idx, shape, mode, cum=None, wait=None):
 
 def _complete(event, hook, mode) -> None:
     if mode == "hook":   # from another thread, as vLLM's dual-batch overlap does
-        worker = threading.Thread(target=hook)
-        worker.start()
-        worker.join()
+        run_on_another_thread(hook)
     elif mode == "async":
         event.current_stream_wait()
 
