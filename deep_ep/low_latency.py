@@ -75,7 +75,8 @@ class LowLatencySlots:
         waiting = self._pending[self.next_half]
         if waiting is not None and waiting.pending:
             raise RuntimeError(f"{name}: the low-latency call two calls ago still has an un-run receive hook; "
-                               "at most two low-latency results may be pending: call its hook first")
+                               "at most two low-latency results may be pending: call its hook first (or, on every "
+                               "rank, clean_low_latency_buffer() to discard it)")
 
     def acquire(self, name: str) -> int:
         with self._lock:

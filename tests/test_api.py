@@ -997,6 +997,26 @@ def test_clean_or_destroy_refused_while_a_hook_runs():
         other()
 
 
+def test_third_call_before_a_hook_is_refused_until_the_hook_runs_or_is_discarded():
+    """Two low-latency results may be pending; the third call is refused with the two ways out, and
+    goes ahead once the hook two calls before has run, or after a reset discarded it."""
+    from deep_ep.low_latency import LowLatencySlots, ReceiveHook
+    slots = LowLatencySlots()
+    ran = []
+    first = ReceiveHook(lambda: ran.append("first"), "low_latency_dispatch")
+    slots.hold(slots.acquire("low_latency_dispatch"), first)
+    slots.hold(slots.acquire("low_latency_combine"), ReceiveHook(lambda: None, "low_latency_combine"))
+    with pytest.raises(RuntimeError, match=r"low_latency_dispatch: .*call its hook first .*clean_low_latency_buffer"):
+        slots.acquire("low_latency_dispatch")
+    first()
+    assert ran == ["first"] and slots.acquire("low_latency_dispatch") == 0
+    slots.hold(0, ReceiveHook(lambda: None, "low_latency_dispatch"))
+    with pytest.raises(RuntimeError, match="call its hook first"):
+        slots.check_next("low_latency_combine")   # (the combine's hook, two calls before, has not run)
+    slots.reset("clean_low_latency_buffer")
+    assert slots.acquire("low_latency_dispatch") == 0
+
+
 # ---------------------------------------------------------------------------------------------------
 # CUDA graph capture: calls that would wait on the host are refused with a RuntimeError saying why
 # ---------------------------------------------------------------------------------------------------
