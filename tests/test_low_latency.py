@@ -1048,6 +1048,7 @@ def test_low_latency_shrink_masks_ranks_that_stop_calling(pool):
     assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
 
 
+@pytest.mark.nvlink_kernels
 def test_nvlink_masking_is_reported_as_a_warning_at_the_callers_line():
     """The NVLink kernels record a rank they masked in shrink mode in the pinned status words (4 + rank: what
     they waited for); the next low-latency call's check turns each into one warning, attributed to the
@@ -1078,6 +1079,7 @@ def _nvlink_low_latency(num_ranks: int, num_sms: int = 1, auto_mask: bool = Fals
                             torch.zeros(4 + num_ranks, dtype=torch.int32), 10 ** 9, num_sms, auto_mask=auto_mask)
 
 
+@pytest.mark.nvlink_kernels
 def test_nvlink_shrink_mode_refuses_more_ranks_than_its_rank_bits_hold():
     """Shrink mode's NVLink kernels pass the ranks a call exchanges with as the bits of an int64: a larger group
     is refused when the Buffer is built, naming enable_shrink and the limit, rather than masking the wrong ranks."""
@@ -1089,6 +1091,7 @@ def test_nvlink_shrink_mode_refuses_more_ranks_than_its_rank_bits_hold():
         _nvlink_low_latency(limit + 1, auto_mask=True)
 
 
+@pytest.mark.nvlink_kernels
 def test_nvlink_low_latency_refuses_receive_grids_larger_than_the_finish_unit():
     """Every receive program adds a share of RECEIVED_UNIT of at least 1 (sync.finish_receive), so a grid
     may have at most RECEIVED_UNIT programs."""
@@ -1100,6 +1103,7 @@ def test_nvlink_low_latency_refuses_receive_grids_larger_than_the_finish_unit():
         _nvlink_low_latency(2, num_sms=most + 1)
 
 
+@pytest.mark.nvlink_kernels
 @pytest.mark.parametrize("capability, asked, chained", [
     ((9, 0), None, True), ((10, 0), None, False), ((12, 0), None, False), ((8, 0), None, False),
     ((9, 0), "0", False), ((10, 0), "1", True), ((8, 0), "1", False)])

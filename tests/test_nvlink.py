@@ -15,7 +15,7 @@ from dist_utils import run_script
 from randomness import base_seed, bits, generator
 from test_normal import CASES_4, _report, make_routing, make_x, random_cases, run_cases, to_device, wide_random
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.nvlink_kernels]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ from collections import Counter
 from typing import Dict, Iterable, Optional
 
 import pytest
+from dist_utils import SUPPORTED_TRITON
 
-triton = pytest.importorskip("triton")
+triton = pytest.importorskip("triton", minversion=SUPPORTED_TRITON)
 pytest.importorskip("triton.backends.nvidia")
 
 import triton.language as tl  # noqa: E402

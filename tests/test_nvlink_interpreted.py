@@ -7,10 +7,10 @@ combines' sums), not their memory ordering or speed."""
 from pathlib import Path
 
 import pytest
-from dist_utils import run_script
+from dist_utils import SUPPORTED_TRITON, run_script
 from randomness import base_seed
 
-triton = pytest.importorskip("triton")
+triton = pytest.importorskip("triton", minversion=SUPPORTED_TRITON)
 
 
 def _version(text: str):

@@ -5,13 +5,13 @@ GPU (marked): launches through the cache give what Triton's own launch gives, al
 what Triton specialises on (pointer alignment, an int that is 1 or a multiple of 16, int width)."""
 import pytest
 import torch
+from dist_utils import SUPPORTED_TRITON, run_script
+from randomness import base_seed, generator
 
-triton = pytest.importorskip("triton")
+triton = pytest.importorskip("triton", minversion=SUPPORTED_TRITON)
 import triton.language as tl  # noqa: E402
 
 from deep_ep.transport.nvlink import launcher  # noqa: E402
-from dist_utils import run_script  # noqa: E402
-from randomness import base_seed, generator  # noqa: E402
 
 
 @triton.jit

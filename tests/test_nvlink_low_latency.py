@@ -16,7 +16,7 @@ from dist_utils import run_on_another_thread
 from randomness import base_seed, bits, generator
 from test_low_latency import make_routing, make_x
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.nvlink_kernels]
 
 
 def _same(errors: List[str], what: str, got: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> None:

@@ -69,9 +69,11 @@ def bench_low_latency(ctx: RankContext, results: Dict[str, Any], info: Dict[str,
                     ref_data, ref_scales = per_token_cast_to_fp8(rows)
                     if tuple(recv_x[1].shape) != (E_loc, R * N, num_scale_groups(H)):
                         problems.append(f"scales have shape {tuple(recv_x[1].shape)}")
-                    elif not (torch.equal(recv_x[0][valid_d].view(torch.uint8), ref_data.view(torch.uint8))
+                    # (rows picked as bytes: older torch has no CPU indexing of float8)
+                    elif not (torch.equal(recv_x[0].view(torch.uint8)[valid_d], ref_data.view(torch.uint8))
                               and torch.equal(recv_x[1][valid_d], ref_scales)):
-                        diff = calc_diff(per_token_cast_back(recv_x[0][valid_d], recv_x[1][valid_d]), rows.float())
+                        got = recv_x[0].view(torch.uint8)[valid_d].view(recv_x[0].dtype)
+                        diff = calc_diff(per_token_cast_back(got, recv_x[1][valid_d]), rows.float())
                         problems.append(f"FP8 rows differ from per_token_cast_to_fp8 of the source rows "
                                         f"(calc_diff of the dequantised rows {diff:.3g})")
                 elif not torch.equal(recv_x[valid_d], rows):
