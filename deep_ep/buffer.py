@@ -36,6 +36,17 @@ def _capturing(device: torch.device) -> bool:
         return torch._C._cuda_isCurrentStreamCapturing()
 
 
+def _refuse_capture(device: torch.device, what: str, reason: str) -> None:
+    """RuntimeError (saying `reason`) if the current stream of `device` is capturing a CUDA graph."""
+    if _capturing(device):
+        raise RuntimeError(f"{what} cannot run inside a CUDA graph capture: {reason}")
+
+
+_LOW_LATENCY_HOST_WAIT = ("this Buffer's low-latency calls exchange with the other ranks on the host (those of the "
+                          "NVLink transport do not: ranks of one node, num_rdma_bytes > 0 and "
+                          "allow_nvlink_for_low_latency_mode)")
+
+
 def _shown_argument(name: str, value: int) -> Any:
     """A Buffer argument as gathered (an int) back in the caller's terms, for error messages."""
     if name == "transport":
@@ -212,8 +223,7 @@ class Buffer:
 
     def _refuse_capture(self, what: str, reason: str) -> None:
         """RuntimeError (saying `reason`) if the caller's stream is capturing a CUDA graph."""
-        if _capturing(self.device):
-            raise RuntimeError(f"{what} cannot run inside a CUDA graph capture: {reason}")
+        _refuse_capture(self.device, what, reason)
 
     def _refuse_host_wait_in_capture(self, what: str, low_latency: bool = False, host_wait: Optional[str] = None,
                                      num_channels: Optional[int] = None) -> None:
@@ -226,9 +236,7 @@ class Buffer:
         if not _capturing(self.device):
             return
         if low_latency:   # (capturable low-latency paths returned above)
-            host_wait = ("this Buffer's low-latency calls exchange with the other ranks on the host (those of the "
-                         "NVLink transport do not: ranks of one node, num_rdma_bytes > 0 and "
-                         "allow_nvlink_for_low_latency_mode)")
+            host_wait = _LOW_LATENCY_HOST_WAIT
         elif not transport.graph_capturable:
             host_wait = ("this Buffer's normal-mode calls exchange with the other ranks on the host (those of the "
                          "NVLink transport do not: ranks of one node)")
@@ -680,8 +688,11 @@ class Buffer:
                     if finish is not None:
                         finish(out)
 
+            # (the hook refers to nothing that refers to this Buffer: a Buffer dropped with hooks never called
+            # goes at once, as do the hooks; a hook still held keeps only the transport)
+            device = self.device
             hook = ReceiveHook(complete, name, None if self._transport.low_latency_graph_capturable else (
-                lambda: self._refuse_host_wait_in_capture(f"the receive hook of {name}", low_latency=True)))
+                lambda: _refuse_capture(device, f"the receive hook of {name}", _LOW_LATENCY_HOST_WAIT)))
             self._slots.hold(half, hook)
             return out, EventOverlap(None), hook
 

@@ -50,9 +50,9 @@ class ReceiveHook:
             self._release()
 
     def _release(self) -> None:
-        """Drop the closures once they cannot run any more: they refer to the Buffer, which holds this hook
-        until its buffer half is reused, and that cycle would keep the Buffer's memory until Python's cycle
-        collector runs (a Buffer dropped without destroy() frees its memory at once otherwise)."""
+        """Drop the closures once they cannot run any more: the Buffer holds this hook until its buffer half is
+        reused, and the closures hold the call's tensors and the transport (the closures never refer to the
+        Buffer itself, so that a Buffer dropped with hooks never called goes at once)."""
         self._receive = self._check = None
 
 

@@ -835,6 +835,12 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
             alive = weakref.ref(dropped)
             del dropped, recv_x, handle, hook
             assert alive() is None, "a dropped Buffer is only freed by the cycle collector"
+            # a hook never called (every rank drops it) goes with its Buffer too
+            unheard = Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // 2)
+            hook = unheard.low_latency_dispatch(x, topk_idx, N, E, use_fp8=False, return_recv_hook=True)[4]
+            alive = weakref.ref(unheard)
+            del unheard, hook
+            assert alive() is None, "a Buffer dropped with a hook never called is only freed by the cycle collector"
         finally:
             gc.enable()
 
