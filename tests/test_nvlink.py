@@ -277,9 +277,9 @@ def test_auto_picks_nvlink_on_one_node(pool):
 # ---------------------------------------------------------------------------------------------------
 def run_buffer_memory(ctx, destroy: bool = True) -> Tuple[int, int]:
     """(bytes a Buffer holds, bytes still held once it is gone) on this rank's device, after normal and
-    low-latency calls (with receive hooks): gone means destroy(), or with `destroy=False` its last reference
-    dropped while Python's cycle collector is off (one rank: with peers, a dropped buffer stays until the peers
-    drop theirs)."""
+    low-latency calls (with receive hooks, the last one never called): gone means destroy(), or with
+    `destroy=False` its last reference dropped while Python's cycle collector is off (one rank: with peers, a
+    dropped buffer stays until the peers drop theirs)."""
     import gc
     from deep_ep import Buffer
     T, H, E = 16, 1024, 8 * ctx.world_size
@@ -301,9 +301,10 @@ def run_buffer_memory(ctx, destroy: bool = True) -> Tuple[int, int]:
         hook()
         _, _, hook = buffer.low_latency_combine(recv_x, topk_idx, topk_weights, handle, return_recv_hook=True)
         hook()
+        unheard = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, return_recv_hook=True)
         torch.cuda.synchronize(ctx.device)
         held = torch.cuda.memory_allocated(ctx.device) - before
-        del received, recv_x, handle, hook
+        del received, recv_x, handle, hook, unheard   # (the last dispatch's hook is never called)
         if destroy:
             buffer.destroy()
         del buffer
