@@ -74,8 +74,9 @@ def test_device_kind() -> str:
     return os.environ.get("DEEP_EP_TEST_DEVICE", "cpu")
 
 
-def _torch_version() -> tuple:
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+def release(version: str) -> tuple:
+    """(major, minor) of a version string such as torch's "2.13.0+cpu" or Triton's "3.6.0"."""
+    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
 
 
 def run_deterministic(ctx: RankContext, fn: Callable[..., Any], *args: Any) -> Any:
@@ -88,7 +89,7 @@ def run_deterministic(ctx: RankContext, fn: Callable[..., Any], *args: Any) -> A
               deterministic.fill_uninitialized_memory)
     torch.use_deterministic_algorithms(True)
     # (filling is the default; set in case the caller turned it off)
-    deterministic.fill_uninitialized_memory = _torch_version() >= (2, 5)
+    deterministic.fill_uninitialized_memory = release(torch.__version__) >= (2, 5)
     try:
         return fn(ctx, *args)
     finally:

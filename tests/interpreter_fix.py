@@ -10,14 +10,11 @@ from triton.runtime import interpreter
 
 def keep_splatted_booleans_boolean() -> None:
     splat = interpreter.InterpreterBuilder.create_splat
-    if getattr(splat, "keeps_booleans", False):
-        return
 
     def splat_keeping_booleans(self, ret_ty, arg):
-        if np.asarray(arg.data).dtype != np.bool_:
+        data = np.asarray(arg.data)
+        if data.dtype != np.bool_:
             return splat(self, ret_ty, arg)
-        value = np.asarray(arg.data).reshape(-1)[0]
-        return interpreter.TensorHandle(np.full(ret_ty.shape, value, dtype=np.bool_), arg.dtype.scalar)
+        return interpreter.TensorHandle(np.full(ret_ty.shape, data.reshape(-1)[0], dtype=np.bool_), arg.dtype.scalar)
 
-    splat_keeping_booleans.keeps_booleans = True
     interpreter.InterpreterBuilder.create_splat = splat_keeping_booleans

@@ -7,18 +7,14 @@ combines' sums), not their memory ordering or speed."""
 from pathlib import Path
 
 import pytest
-from dist_utils import SUPPORTED_TRITON, run_script
+from dist_utils import SUPPORTED_TRITON, release, run_script
 from randomness import base_seed
 
 triton = pytest.importorskip("triton", minversion=SUPPORTED_TRITON)
 
 
-def _version(text: str):
-    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
-
-
 # (Triton 3.6's interpreter hands loop bounds over as arrays, which recent numpy will not turn into ints)
-@pytest.mark.skipif(_version(triton.__version__) < (3, 7), reason="needs Triton >= 3.7's interpreter")
+@pytest.mark.skipif(release(triton.__version__) < (3, 7), reason="needs Triton >= 3.7's interpreter")
 @pytest.mark.parametrize("script", ["interpreted_low_latency.py", "interpreted_combine.py"])
 def test_kernels_match_under_the_interpreter(script):
     seed = base_seed()

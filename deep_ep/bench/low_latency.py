@@ -67,13 +67,13 @@ def bench_low_latency(ctx: RankContext, results: Dict[str, Any], info: Dict[str,
                 rows = all_x[src_rank[valid].to(device), src_info[valid].long().to(device)]
                 if use_fp8:
                     ref_data, ref_scales = per_token_cast_to_fp8(rows)
+                    got = recv_x[0].view(torch.uint8)[valid_d]   # (as bytes: older torch cannot index float8 on CPU)
                     if tuple(recv_x[1].shape) != (E_loc, R * N, num_scale_groups(H)):
                         problems.append(f"scales have shape {tuple(recv_x[1].shape)}")
-                    # (rows picked as bytes: older torch has no CPU indexing of float8)
-                    elif not (torch.equal(recv_x[0].view(torch.uint8)[valid_d], ref_data.view(torch.uint8))
+                    elif not (torch.equal(got, ref_data.view(torch.uint8))
                               and torch.equal(recv_x[1][valid_d], ref_scales)):
-                        got = recv_x[0].view(torch.uint8)[valid_d].view(recv_x[0].dtype)
-                        diff = calc_diff(per_token_cast_back(got, recv_x[1][valid_d]), rows.float())
+                        diff = calc_diff(per_token_cast_back(got.view(recv_x[0].dtype), recv_x[1][valid_d]),
+                                         rows.float())
                         problems.append(f"FP8 rows differ from per_token_cast_to_fp8 of the source rows "
                                         f"(calc_diff of the dequantised rows {diff:.3g})")
                 elif not torch.equal(recv_x[valid_d], rows):
