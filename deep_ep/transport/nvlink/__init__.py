@@ -20,7 +20,8 @@ Buffer layout (identical on every rank; counters int64, records int32):
    OPS | TICKET | records [2][R][REC_MAX] | rows area]
 The rows area is the `num_nvl_bytes` of the Buffer (what get_local_buffer_tensor shows), split evenly into
 R x C rings (C = channels of the operation), or slots of the direct protocol; the header before it is extra.
-Set DEEP_EP_NVLINK_DIRECT=0 (on every rank) to always use the rings.
+Set DEEP_EP_NVLINK_DIRECT=0 (on every rank) to always use the rings, DEEP_EP_NVLINK_STAGE_TOKENS=n to have
+every direct dispatch program copy out what has arrived after every n tokens it pushes (default: after all).
 """
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ OWN_ROWS = os.environ.get("DEEP_EP_NVLINK_OWN_ROWS", "sender")
 if OWN_ROWS not in ("sender", "receiver"):
     raise ValueError(f"DEEP_EP_NVLINK_OWN_ROWS must be 'sender' or 'receiver', got {OWN_ROWS!r}")
 DIRECT = os.environ.get("DEEP_EP_NVLINK_DIRECT", "1") != "0"   # the direct protocol where the rows fit
+# tokens a direct dispatch program pushes between two copy-outs of what arrived (direct.py); 0: all of them
+STAGE_TOKENS = int(os.environ.get("DEEP_EP_NVLINK_STAGE_TOKENS", "0"))
+if STAGE_TOKENS < 0:
+    raise ValueError(f"DEEP_EP_NVLINK_STAGE_TOKENS must be >= 0 (0: one stage), got {STAGE_TOKENS}")
 LAYOUT_TOKENS = 64             # tokens per layout program
 _ALIGN = 256
 
@@ -460,7 +465,8 @@ class NVLinkTransport(Transport):
             vary = _DISPATCH_VARY[:9] + ("push_row0_ptr",) + _DISPATCH_VARY[9:]
             return Relaunch(direct_dispatch_kernel, (2 * C,), vary,
                             arrive_word=self.arrive_word, slot_word=self.ring_word,
-                            capacity=self._capacity(slot_words), AMAX=2 * CMAX, **fixed)
+                            capacity=self._capacity(slot_words), stage_tokens=STAGE_TOKENS or 1 << 30,
+                            AMAX=2 * CMAX, **fixed)
         from .dispatch import dispatch_kernel
         return Relaunch(dispatch_kernel, (2 * C,), _DISPATCH_VARY, tail_word=self.tail_word, head_word=self.head_word,
                         sent_word=self.sent_word, recvd_word=self.recvd_word, ring_word=self.ring_word,

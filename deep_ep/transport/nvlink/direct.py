@@ -1,27 +1,33 @@
 """Normal dispatch and combine when every rank's whole share fits its buffer (the "direct" protocol): all
-programs push rows straight to their final slot in the peer's buffer, with no flow control, then copy out
-or reduce what they received. The transport picks it when the largest per-rank total fits (it knows the
-counts from the dispatch's host wait); the rings (dispatch.py, combine.py) serve the rest.
+programs push rows straight to their final slot in the peer's buffer, with no flow control, and copy out or
+reduce what they received. The transport picks it when the largest per-rank total fits (it knows the counts
+from the dispatch's host wait); the rings (dispatch.py, combine.py) serve the rest.
 
 Buffers (per rank): `capacity` slots in the area the rings otherwise use (slot formats of dispatch.py and
 combine.py; slot numbers are taken modulo `capacity`, which the host's choice makes a no-op, so that inputs
 changed against the handle can garble rows but never write outside the buffer);
-counters ARRIVE[source][program]: the operation number + 1 up to which that program of that source has
-pushed its rows here. Every program first waits until every peer has read all earlier operations out of
-its buffer, and the last to finish publishes that this rank has (sync.begin_operation / end_operation), so
-slots are never overwritten while read, whatever protocol the previous operation used.
+counters ARRIVE[source][program] = (OPS << 32) + n: program `program` of `source` has pushed its first n rows
+here in operation OPS (dispatch), or all of them (combine: n = ALL_ROWS). A value below OPS << 32 is left from
+an earlier operation and counts as n = 0; ARRIVE only grows. Every program first waits until every peer has
+read all earlier operations out of its buffer, and the last to finish publishes that this rank has
+(sync.begin_operation / end_operation), so slots are never overwritten while read, whatever protocol the
+previous operation used.
 
-Dispatch (2C programs; program p works on half p % 2 of channel q = p // 2):
-  push: each token of its half-channel into slot push_row0[d] + position of every peer d that receives it
-    (position: the token's place among this rank's tokens for d; the slot number is the token's row in d's
-    outputs), this rank's own tokens straight into its outputs; then publish ARRIVE[rank][p] = OPS + 1 in
-    every peer (release).
-  receive: wait for ARRIVE[s][2q] and ARRIVE[s][2q + 1] of every peer s, then copy half p % 2 of the rows of
-    (s, q) (rows recv_base[s][q] + [0, recv_count[s][q])) from those slots into the same output rows.
+Dispatch (2C programs; program p = 2q + h works on half h of channel q; rows of (s, q): the rows rank s sends
+here from channel q, in token order):
+  push, in stages of `stage_tokens` tokens: half 0 from its first token forwards, half 1 from its last token
+    backwards; each token into slot push_row0[d] + position of every peer d that receives it (position: the
+    token's place among this rank's tokens for d; the slot number is the token's row in d's outputs), this
+    rank's own tokens straight into its outputs. After each stage, publish in every peer d ARRIVE[rank][p] =
+    the rows of (rank, q) sent to d so far: half 0 has sent the first ones, half 1 the last ones (release).
+  receive, between stages and after the last one: program p copies out half h of the rows of (s, q) of every
+    peer s, those that have arrived: from its low end up as far as ARRIVE[s][2q] reaches, from its high end
+    down as far as ARRIVE[s][2q + 1] reaches (the two meet where s's half-channels split the rows), until
+    every row is copied, from the slots into the same output rows.
 Combine (2C programs):
   push: the rows of x that came from peers (all but [prefix[rank], prefix[rank + 1])) are split evenly over
     the programs; row i from source s goes to slot combine_row0[s] + i - prefix[s] of s's buffer (combine_row0[s]:
-    the rows s sent to ranks before this one). Publish ARRIVE[rank][p] = OPS + 1 in every peer.
+    the rows s sent to ranks before this one). Publish ARRIVE[rank][p] = (OPS << 32) + ALL_ROWS in every peer.
   reduce: wait for ARRIVE[d][*] of every peer d (any of its programs may hold rows of any token), then
     combine tokens [p * ceil(T / 2C), ...) as combine.py does, the row from d being in slot
     (tokens this rank sent to ranks before d) + position.
@@ -34,8 +40,39 @@ import triton.language as tl
 
 from .combine import reduce_tokens, store_combine_slots
 from .dispatch import load_slots, push_tokens, store_outputs
-from .sync import (WAIT_ROWS, begin_operation, channel_tokens, end_operation, lane, peer_view, publish,
-                   wait_at_least)
+from .intrinsics import clock_ns, cta_any
+from .sync import (NO_PEER, STALE_NS, WAIT_ROWS, begin_operation, channel_tokens, end_operation, lane, peer_view, publish,
+                   report_timeout, time_passed, wait_at_least)
+
+ALL_ROWS = tl.constexpr(1 << 31)   # an ARRIVE word's n once a combine program has pushed all its rows
+
+
+@triton.jit
+def rows_arrived(ptrs, mark, peers):
+    """The rows that ARRIVE words at `ptrs` (where `peers`) report for the operation whose OPS << 32 is `mark`
+    (0 for words of earlier operations); acquire, so the rows' slots may be read after a barrier."""
+    values = tl.atomic_add(ptrs, 0, mask=peers, sem="acquire", scope="sys")
+    return tl.where(peers, tl.maximum(values - mark, 0), 0).to(tl.int32)
+
+
+@triton.jit
+def copy_out(own, low0, low1, high0, high1, slot_word, slot_words, capacity, out_x_ptr, out_scales_ptr, out_idx_ptr,
+             out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, to, xo, so, ko, XW: tl.constexpr,
+             SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, ID_OFF: tl.constexpr, BLOCK_X: tl.constexpr,
+             BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """Output rows [low0, low1) and [high0, high1) from the slots of the same numbers into the outputs."""
+    lows = low1 - low0
+    total = lows + high1 - high0
+    for i in range(0, total, ROWS):
+        index = i + to
+        live = index < total
+        rows = tl.where(index < lows, low0 + index, high0 + index - lows)
+        slots = own + 4 * (slot_word + (rows % capacity).to(tl.int64) * slot_words)
+        x, scales, ids, weights, tokens = load_slots(slots, live, xo, so, ko, XW, SW, K, HAS_W, ID_OFF, BLOCK_X,
+                                                     BLOCK_S, BLOCK_K, ROWS)
+        store_outputs(rows, live, x, scales, ids, weights, tokens, out_x_ptr, out_scales_ptr, out_idx_ptr,
+                      out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, xo, so, ko, XW, SW, K, HAS_W,
+                      BLOCK_X)
 
 
 @triton.jit
@@ -43,8 +80,8 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
                            recv_base_ptr, prefix_ptr, push_row0_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr,
                            out_weights_ptr, out_src_ptr, bases_ptr, status_ptr, num_tokens, num_rows, rank,
                            expert_begin, experts_per_rank, arrive_word, ops_word, done_word, ticket_word, slot_word,
-                           slot_words, capacity, timeout_ns, C: tl.constexpr, AMAX: tl.constexpr, R: tl.constexpr,
-                           XW: tl.constexpr, SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr,
+                           slot_words, capacity, stage_tokens, timeout_ns, C: tl.constexpr, AMAX: tl.constexpr,
+                           R: tl.constexpr, XW: tl.constexpr, SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr,
                            ID_OFF: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
@@ -56,7 +93,8 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
     so = tl.arange(0, BLOCK_S)
     ko = tl.arange(0, BLOCK_K)
     ops, ok = begin_operation(ctrl, ops_word, done_word, peers, ro, timeout_ns, status_ptr)
-    # ---- push -----------------------------------------------------------------------------------------------
+    mark = ops.to(tl.int64) << 32
+    # pushing: tokens [first, end) of the channel's half, half 0 from the front, half 1 from the back
     t0, t1 = channel_tokens(q, num_tokens, C)
     middle = t0 + (t1 - t0 + 1) // 2
     first = tl.where(half == 0, t0, middle)
@@ -64,39 +102,60 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
     push_row0 = tl.load(push_row0_ptr + ro, mask=ro < R, other=0).to(tl.int64)
     regions = tl.full([BLOCK_R], slot_word, tl.int64)
     self_row0 = tl.load(prefix_ptr + rank)
-    if ok:
-        for first_token in range(first, end, ROWS):
-            push_tokens(first_token + to, first_token + to < end, x_ptr, scales_ptr, idx_ptr, weights_ptr,
-                        in_rank_ptr, before_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
-                        bases_ptr, regions, push_row0, capacity, slot_words, self_row0, num_rows, rank, expert_begin,
-                        experts_per_rank, ro, xo, so, ko, R, XW, SW, K, HAS_W, ID_OFF, BLOCK_X, BLOCK_S, BLOCK_K,
-                        ROWS, True)
-        publish((peer_bases + (arrive_word + rank * AMAX + pid) * 8).to(tl.pointer_type(tl.int64)), ops + 1, peers)
-    # ---- receive --------------------------------------------------------------------------------------------
+    before_first = tl.load(before_ptr + first * R + ro, mask=ro < R, other=0)
+    before_end = tl.load(before_ptr + end * R + ro, mask=ro < R, other=0)
+    progress_ptrs = (peer_bases + (arrive_word + rank * AMAX + pid) * 8).to(tl.pointer_type(tl.int64))
+    # receiving: rows [lo, hi) of (s, q), relative to its first output row, of every peer s; [lo, front) and
+    # [back, hi) are copied out. Rows below s's ARRIVE[s][2q] have come from the front, rows from
+    # count - ARRIVE[s][2q + 1] on from the back.
+    counts = tl.load(recv_count_ptr + ro * C + q, mask=peers, other=0)
+    bases = tl.load(recv_base_ptr + ro * C + q, mask=peers, other=0)
+    front = tl.where(half == 0, 0, (counts + 1) // 2)
+    back = tl.where(half == 0, (counts + 1) // 2, counts)
     arrived = ctrl + arrive_word + ro * AMAX + 2 * q
-    if ok:
-        ok = wait_at_least(arrived, ops + 1, peers, ro, timeout_ns, status_ptr, WAIT_ROWS)
-    if ok:
-        ok = wait_at_least(arrived + 1, ops + 1, peers, ro, timeout_ns, status_ptr, WAIT_ROWS)
-    tl.debug_barrier()   # every thread's reads of the slots follow the acquiring loads
-    if ok:
-        counts = tl.load(recv_count_ptr + ro * C + q, mask=peers, other=0)
-        bases = tl.load(recv_base_ptr + ro * C + q, mask=peers, other=0)
-        for s in tl.static_range(R):
-            if s != rank:
-                count = lane(counts, ro, s)
-                base = lane(bases, ro, s)
-                first_row = base + tl.where(half == 0, 0, (count + 1) // 2)
-                end_row = base + tl.where(half == 0, (count + 1) // 2, count)
-                for row in range(first_row, end_row, ROWS):
-                    rows = row + to
-                    live = rows < end_row
-                    slots = own + 4 * (slot_word + (rows % capacity).to(tl.int64) * slot_words)
-                    x, scales, ids, weights, tokens = load_slots(slots, live, xo, so, ko, XW, SW, K, HAS_W, ID_OFF,
-                                                                 BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
-                    store_outputs(rows, live, x, scales, ids, weights, tokens, out_x_ptr, out_scales_ptr, out_idx_ptr,
-                                  out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, xo, so, ko, XW, SW, K,
-                                  HAS_W, BLOCK_X)
+    pushed = tl.zeros([], tl.int32)
+    remaining = tl.sum(back - front)
+    failed = (ok == 0) | (remaining < 0)
+    start = clock_ns()
+    while ((pushed < end - first) | (remaining > 0)) & (failed == 0):
+        if pushed < end - first:
+            upto = pushed + tl.minimum(stage_tokens, end - first - pushed)
+            stage_first = tl.where(half == 0, first + pushed, end - upto)
+            stage_end = tl.where(half == 0, first + upto, end - pushed)
+            for first_token in range(stage_first, stage_end, ROWS):
+                push_tokens(first_token + to, first_token + to < stage_end, x_ptr, scales_ptr, idx_ptr, weights_ptr,
+                            in_rank_ptr, before_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr,
+                            out_src_ptr, bases_ptr, regions, push_row0, capacity, slot_words, self_row0, num_rows,
+                            rank, expert_begin, experts_per_rank, ro, xo, so, ko, R, XW, SW, K, HAS_W, ID_OFF, BLOCK_X,
+                            BLOCK_S, BLOCK_K, ROWS, True)
+            pushed = upto
+            boundary = tl.load(before_ptr + tl.where(half == 0, stage_end, stage_first) * R + ro, mask=ro < R,
+                               other=0)
+            rows_sent = tl.where(half == 0, boundary - before_first, before_end - boundary)
+            publish(progress_ptrs, mark + rows_sent.to(tl.int64), peers)
+            start = clock_ns()
+        fronts = rows_arrived(arrived, mark, peers)
+        backs = rows_arrived(arrived + 1, mark, peers)
+        tl.debug_barrier()   # every thread's reads of the slots follow the acquiring loads
+        new_front = tl.where(peers, tl.maximum(front, tl.minimum(fronts, back)), front)
+        new_back = tl.where(peers, tl.minimum(back, tl.maximum(counts - backs, new_front)), back)
+        if tl.sum((new_front - front) + (back - new_back)) > 0:
+            for s in tl.static_range(R):
+                if s != rank:
+                    b = lane(bases, ro, s)
+                    copy_out(own, b + lane(front, ro, s), b + lane(new_front, ro, s), b + lane(new_back, ro, s),
+                             b + lane(back, ro, s), slot_word, slot_words, capacity, out_x_ptr, out_scales_ptr,
+                             out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, to, xo, so, ko,
+                             XW, SW, K, HAS_W, ID_OFF, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
+            front = new_front
+            back = new_back
+            remaining = tl.sum(back - front)
+            start = clock_ns()
+        elif pushed >= end - first:
+            if time_passed(start, STALE_NS):   # (a timeout of the Buffer before this one ends the wait too)
+                if cta_any(tl.load(status_ptr, volatile=True)) | time_passed(start, timeout_ns):
+                    report_timeout(status_ptr, WAIT_ROWS, tl.min(tl.where(peers & (back > front), ro, NO_PEER)))
+                    failed = remaining > 0
     end_operation(ctrl, ops_word, done_word, ticket_word, peer_bases, rank, peers, ops)
 
 
@@ -140,13 +199,14 @@ def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, prefix_pt
             slots = (tl.load(bases_ptr + source, mask=live, other=0)
                      + 4 * (slot_word + (slot % capacity).to(tl.int64) * slot_words))
             store_combine_slots(slots, live, tile, weights, ho, ko, H, K, X_OFF, BLOCK_H)
-        publish((peer_bases + (arrive_word + rank * AMAX + pid) * 8).to(tl.pointer_type(tl.int64)), ops + 1, peers)
+        publish((peer_bases + (arrive_word + rank * AMAX + pid) * 8).to(tl.pointer_type(tl.int64)),
+                (ops.to(tl.int64) << 32) + ALL_ROWS, peers)
     # ---- reduce: wait for every program of every peer --------------------------------------------------------
     lanes = tl.arange(0, BLOCK_R * BLOCK_P)
     sources = lanes // BLOCK_P
     senders = lanes % BLOCK_P
     if ok:
-        ok = wait_at_least(ctrl + arrive_word + sources * AMAX + senders, ops + 1,
+        ok = wait_at_least(ctrl + arrive_word + sources * AMAX + senders, (ops.to(tl.int64) << 32) + ALL_ROWS,
                            (sources < R) & (sources != rank) & (senders < programs), sources, timeout_ns, status_ptr,
                            WAIT_ROWS)
     tl.debug_barrier()   # every thread's reads of the slots follow the acquiring loads
