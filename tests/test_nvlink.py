@@ -184,32 +184,36 @@ def test_nvlink_small_rings_match_reference(pool, world_size):
 
 
 def run_compare_staged(ctx, seed: int, shapes: List[Dict[str, Any]], stage_tokens: List[int]) -> List[str]:
-    """run_compare with a buffer that every share fits (the direct protocol) and this rank's direct dispatch
-    copying out what has arrived after every stage_tokens[rank] tokens it pushes (0: after all); the ranks'
-    stages may differ. Also checks that the direct dispatch ran."""
+    """run_compare with a buffer that every share fits (the direct protocol), this rank's direct kernels
+    copying out or reducing what has arrived after every stage_tokens[rank] tokens (rows per peer) they push
+    (0: after all); the ranks' stages may differ. Also checks that the direct dispatch and combine ran."""
     from deep_ep.transport import nvlink
-    direct_launches: List[bool] = []
-    make_launch = nvlink.NVLinkTransport._dispatch_launch
+    transport = nvlink.NVLinkTransport
+    launches = (transport._dispatch_launch, transport._combine_launch)
+    direct: Dict[str, List[bool]] = {"dispatch": [], "combine": []}
 
-    def spy(self, direct, *args):
-        direct_launches.append(direct)
-        return make_launch(self, direct, *args)
+    def spy(kind: str, make_launch):
+        def launch(self, is_direct, *args):
+            direct[kind].append(is_direct)
+            return make_launch(self, is_direct, *args)
+        return launch
 
     saved, nvlink.STAGE_TOKENS = nvlink.STAGE_TOKENS, stage_tokens[ctx.rank]
-    nvlink.NVLinkTransport._dispatch_launch = spy
+    transport._dispatch_launch, transport._combine_launch = spy("dispatch", launches[0]), spy("combine", launches[1])
     try:
         errors = run_compare(ctx, seed, shapes, num_nvl_bytes=1 << 30)
     finally:
-        nvlink.STAGE_TOKENS, nvlink.NVLinkTransport._dispatch_launch = saved, make_launch
-    if True not in direct_launches:
-        errors.append(f"rank {ctx.rank}: no dispatch used the direct protocol")
+        nvlink.STAGE_TOKENS, (transport._dispatch_launch, transport._combine_launch) = saved, launches
+    errors += [f"rank {ctx.rank}: no {kind} used the direct protocol" for kind, flags in direct.items()
+               if True not in flags]
     return errors
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_nvlink_staged_direct_dispatch_matches_reference(pool, world_size):
-    """The direct dispatch copying out rows between stages of its pushes (DEEP_EP_NVLINK_STAGE_TOKENS): stages of
-    1 to 16 tokens and one stage, different on every rank, against the reference."""
+def test_nvlink_staged_direct_protocol_matches_reference(pool, world_size):
+    """The direct dispatch and combine copying out or reducing rows between stages of their pushes
+    (DEEP_EP_NVLINK_STAGE_TOKENS): stages of 1 to 16 tokens and one stage, different on every rank, against the
+    reference."""
     seed = base_seed()
     shapes = SWEEP if world_size == 2 else SMALL_RINGS
     _report(seed, lambda: pool(world_size).run(run_compare_staged, seed, shapes, [1, 7, 0, 16][:world_size]))

@@ -21,7 +21,8 @@ Buffer layout (identical on every rank; counters int64, records int32):
 The rows area is the `num_nvl_bytes` of the Buffer (what get_local_buffer_tensor shows), split evenly into
 R x C rings (C = channels of the operation), or slots of the direct protocol; the header before it is extra.
 Set DEEP_EP_NVLINK_DIRECT=0 (on every rank) to always use the rings, DEEP_EP_NVLINK_STAGE_TOKENS=n to have
-every direct dispatch program copy out what has arrived after every n tokens it pushes (default: after all).
+every direct-protocol program copy out (dispatch) or reduce (combine) what has arrived after every n tokens
+(rows per peer) it pushes (default: after all).
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ OWN_ROWS = os.environ.get("DEEP_EP_NVLINK_OWN_ROWS", "sender")
 if OWN_ROWS not in ("sender", "receiver"):
     raise ValueError(f"DEEP_EP_NVLINK_OWN_ROWS must be 'sender' or 'receiver', got {OWN_ROWS!r}")
 DIRECT = os.environ.get("DEEP_EP_NVLINK_DIRECT", "1") != "0"   # the direct protocol where the rows fit
-# tokens a direct dispatch program pushes between two copy-outs of what arrived (direct.py); 0: all of them
+# tokens a direct dispatch program pushes (rows per peer, in a direct combine) between two looks at what has
+# arrived, to copy out or reduce (direct.py); 0: all of them first
 STAGE_TOKENS = int(os.environ.get("DEEP_EP_NVLINK_STAGE_TOKENS", "0"))
 if STAGE_TOKENS < 0:
     raise ValueError(f"DEEP_EP_NVLINK_STAGE_TOKENS must be >= 0 (0: one stage), got {STAGE_TOKENS}")
@@ -493,10 +495,8 @@ class NVLinkTransport(Transport):
         inputs = (x, dummy if topk_weights is None else topk_weights, Pointer(in_rank, torch.int8), plan.before)
         outputs = (dummy if bias0 is None else bias0, dummy if bias1 is None else bias1, combined,
                    dummy if combined_weights is None else combined_weights, num_tokens, x.shape[0])
-        if direct:
-            relaunch(*inputs, plan.prefix, plan.combine_row0, *outputs)
-        else:
-            relaunch(*inputs, plan.recv_count, plan.recv_base, plan.prefix, *outputs)
+        tables = (plan.recv_count, plan.recv_base, plan.prefix) + ((plan.combine_row0,) if direct else ())
+        relaunch(*inputs, *tables, *outputs)
         return combined, combined_weights
 
     def _combine_launch(self, direct: bool, hidden: int, topk: int, has_bias0: bool, has_bias1: bool,
@@ -506,6 +506,7 @@ class NVLinkTransport(Transport):
         R = self.topology.num_ranks
         x_offset, slot_words = _combine_slot(topk, hidden)
         ring_words, ring_slots, batch = self._rings(slot_words, C, "combine")
+        vary = _COMBINE_VARY[:4] + ("recv_count_ptr", "recv_base_ptr", "prefix_ptr") + _COMBINE_VARY[4:]
         fixed = dict(bases_ptr=self.peers.bases, status_ptr=self.status, rank=self.topology.rank,
                      ops_word=self.ops_word, done_word=self.done_word, ticket_word=self.ticket_word,
                      slot_words=slot_words, timeout_ns=self.timeout_ns, R=R, H=hidden, K=topk, X_OFF=x_offset,
@@ -514,12 +515,11 @@ class NVLinkTransport(Transport):
                      ROWS=_rows_per_step(hidden, COMBINE_TILE), num_warps=NUM_WARPS)
         if direct:
             from .direct import direct_combine_kernel
-            vary = _COMBINE_VARY[:4] + ("prefix_ptr", "combine_row0_ptr") + _COMBINE_VARY[4:]
-            return Relaunch(direct_combine_kernel, (2 * C,), vary, arrive_word=self.arrive_word,
-                            slot_word=self.ring_word, capacity=self._capacity(slot_words), AMAX=2 * CMAX,
-                            BLOCK_P=_next_pow2(2 * C), **fixed)
+            return Relaunch(direct_combine_kernel, (2 * C,), vary[:7] + ("combine_row0_ptr",) + vary[7:],
+                            arrive_word=self.arrive_word, slot_word=self.ring_word,
+                            capacity=self._capacity(slot_words), stage_tokens=STAGE_TOKENS or 1 << 30, C=C,
+                            AMAX=2 * CMAX, **fixed)
         from .combine import combine_kernel
-        vary = _COMBINE_VARY[:4] + ("recv_count_ptr", "recv_base_ptr", "prefix_ptr") + _COMBINE_VARY[4:]
         return Relaunch(combine_kernel, (2 * C,), vary, tail_word=self.tail_word, head_word=self.head_word,
                         sent_word=self.sent_word, recvd_word=self.recvd_word, ring_word=self.ring_word,
                         ring_words=ring_words, ring_slots=ring_slots, batch=batch, C=C, CMAX=CMAX, **fixed)

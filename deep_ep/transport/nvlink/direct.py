@@ -41,8 +41,8 @@ import triton.language as tl
 from .combine import reduce_tokens, store_combine_slots
 from .dispatch import load_slots, push_tokens, store_outputs
 from .intrinsics import clock_ns, cta_any
-from .sync import (NO_PEER, STALE_NS, WAIT_ROWS, begin_operation, channel_tokens, end_operation, lane, peer_view, publish,
-                   report_timeout, time_passed, wait_at_least)
+from .sync import (NO_PEER, STALE_NS, WAIT_ROWS, begin_operation, channel_tokens, end_operation, lane, peer_view,
+                   publish, report_timeout, time_passed)
 
 ALL_ROWS = tl.constexpr(1 << 31)   # an ARRIVE word's n once a combine program has pushed all its rows
 
@@ -160,65 +160,111 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
 
 
 @triton.jit
-def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, prefix_ptr, combine_row0_ptr, bias0_ptr,
-                          bias1_ptr, out_ptr, out_weights_ptr, bases_ptr, status_ptr, num_tokens, num_rows, rank,
-                          arrive_word, ops_word, done_word, ticket_word, slot_word, slot_words, capacity, timeout_ns,
-                          AMAX: tl.constexpr, R: tl.constexpr, H: tl.constexpr, K: tl.constexpr, X_OFF: tl.constexpr,
+def tokens_ready(tokens, live, in_rank_ptr, before_ptr, before_first, counts, fronts, backs, rank, ro,
+                 R: tl.constexpr):
+    """Whether every peer's row of every token of a tile (where `live`) has arrived: the row of (this rank, q) at
+    position r (the token's place among this rank's tokens for d, minus before_first[d]) came from the front
+    if r < fronts[d], from the back if r >= counts[d] - backs[d]. Returns (all arrived, a peer still awaited)."""
+    t64 = tokens.to(tl.int64)
+    waiting = tl.zeros([], tl.int32)
+    awaited = tl.full([], NO_PEER, tl.int32)
+    for d in tl.static_range(R):
+        if d != rank:
+            take = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
+            r = tl.load(before_ptr + t64 * R + d, mask=live, other=0) - lane(before_first, ro, d)
+            late = take & (r >= lane(fronts, ro, d)) & (r < lane(counts, ro, d) - lane(backs, ro, d))
+            late_rows = tl.sum(late.to(tl.int32))
+            awaited = tl.where((late_rows > 0) & (awaited == NO_PEER), d, awaited)
+            waiting += late_rows
+    return waiting == 0, awaited
+
+
+@triton.jit
+def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, recv_base_ptr, prefix_ptr,
+                          combine_row0_ptr, bias0_ptr, bias1_ptr, out_ptr, out_weights_ptr, bases_ptr, status_ptr,
+                          num_tokens, num_rows, rank, arrive_word, ops_word, done_word, ticket_word, slot_word,
+                          slot_words, capacity, stage_tokens, timeout_ns, C: tl.constexpr, AMAX: tl.constexpr,
+                          R: tl.constexpr, H: tl.constexpr, K: tl.constexpr, X_OFF: tl.constexpr,
                           HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, BLOCK_H: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROWS: tl.constexpr):
+                          BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
-    programs = tl.num_programs(0)
+    q = pid // 2
+    half = pid % 2
     ro, peers, own, ctrl, peer_bases = peer_view(bases_ptr, rank, R, BLOCK_R)
     to = tl.arange(0, ROWS)
     ho = tl.arange(0, BLOCK_H)
     ko = tl.arange(0, BLOCK_K)
     ops, ok = begin_operation(ctrl, ops_word, done_word, peers, ro, timeout_ns, status_ptr)
-    # ---- push: rows from peers, split evenly ------------------------------------------------------------------
-    starts = tl.load(prefix_ptr + ro, mask=ro < R, other=0)
-    own_first = tl.load(prefix_ptr + rank)
-    own_rows = tl.load(prefix_ptr + rank + 1) - own_first
-    peer_rows = tl.load(prefix_ptr + R) - own_rows
-    per_program = tl.cdiv(peer_rows, programs)
-    first = tl.minimum(pid * per_program, peer_rows)
-    end = tl.minimum(first + per_program, peer_rows)
-    if ok:
-        for v in range(first, end, ROWS):
-            live = v + to < end
-            rows = v + to
-            rows = tl.where(rows < own_first, rows, rows + own_rows)
-            source = tl.zeros([ROWS], tl.int32)
-            for s in tl.static_range(1, R):
-                source += (rows >= lane(starts, ro, s)).to(tl.int32)
-            rows64 = rows.to(tl.int64)
-            tile = tl.load(x_ptr + rows64[:, None] * H + ho[None, :], mask=live[:, None] & (ho[None, :] < H),
-                           other=0.0)
-            weights = tl.load(weights_ptr + rows64[:, None] * K + ko[None, :], mask=live[:, None] & (ko[None, :] < K),
-                              other=0.0)
-            slot = (tl.load(combine_row0_ptr + source, mask=live, other=0)
-                    + rows - tl.load(prefix_ptr + source, mask=live, other=0))
-            slots = (tl.load(bases_ptr + source, mask=live, other=0)
-                     + 4 * (slot_word + (slot % capacity).to(tl.int64) * slot_words))
-            store_combine_slots(slots, live, tile, weights, ho, ko, H, K, X_OFF, BLOCK_H)
-        publish((peer_bases + (arrive_word + rank * AMAX + pid) * 8).to(tl.pointer_type(tl.int64)),
-                (ops.to(tl.int64) << 32) + ALL_ROWS, peers)
-    # ---- reduce: wait for every program of every peer --------------------------------------------------------
-    lanes = tl.arange(0, BLOCK_R * BLOCK_P)
-    sources = lanes // BLOCK_P
-    senders = lanes % BLOCK_P
-    if ok:
-        ok = wait_at_least(ctrl + arrive_word + sources * AMAX + senders, (ops.to(tl.int64) << 32) + ALL_ROWS,
-                           (sources < R) & (sources != rank) & (senders < programs), sources, timeout_ns, status_ptr,
-                           WAIT_ROWS)
-    tl.debug_barrier()   # every thread's reads of the slots follow the acquiring loads
-    if ok:
-        per_destination = tl.load(before_ptr + num_tokens * R + ro, mask=ro < R, other=0).to(tl.int64)
-        slot_of = tl.cumsum(per_destination, axis=0) - per_destination   # rows from d start after those before d
-        regions = tl.full([BLOCK_R], slot_word, tl.int64)
-        self_row0 = tl.load(prefix_ptr + rank).to(tl.int64)
-        t0, t1 = channel_tokens(pid, num_tokens, programs)
-        for first_token in range(t0, t1, ROWS):
-            reduce_tokens(first_token + to, first_token + to < t1, x_ptr, weights_ptr, in_rank_ptr, before_ptr,
-                          bias0_ptr, bias1_ptr, out_ptr, out_weights_ptr, own, regions, slot_of, capacity, slot_words,
-                          self_row0, num_rows, rank, ro, ho, ko, R, H, K, X_OFF, HAS_BIAS0, HAS_BIAS1, BLOCK_H,
-                          BLOCK_K, ROWS)
+    mark = ops.to(tl.int64) << 32
+    # pushing: rows [lo, hi) of (s, q) of every peer s (x rows row_bases[s] + ...), half 0 from lo up, half 1
+    # from hi down; `sent` of them so far
+    counts = tl.load(recv_count_ptr + ro * C + q, mask=peers, other=0)
+    row_bases = tl.load(recv_base_ptr + ro * C + q, mask=peers, other=0)
+    lo = tl.where(half == 0, 0, (counts + 1) // 2)
+    hi = tl.where(half == 0, (counts + 1) // 2, counts)
+    sent = tl.zeros([BLOCK_R], tl.int32)
+    progress_ptrs = (peer_bases + (arrive_word + rank * AMAX + pid) * 8).to(tl.pointer_type(tl.int64))
+    # reducing: tokens [first, end) of the channel's half, half 0 from the front, half 1 from the back
+    t0, t1 = channel_tokens(q, num_tokens, C)
+    middle = t0 + (t1 - t0 + 1) // 2
+    first = tl.where(half == 0, t0, middle)
+    end = tl.where(half == 0, middle, t1)
+    before_first = tl.load(before_ptr + t0 * R + ro, mask=ro < R, other=0)
+    own_counts = tl.load(before_ptr + t1 * R + ro, mask=ro < R, other=0) - before_first   # rows of (rank, q) at d
+    per_destination = tl.load(before_ptr + num_tokens * R + ro, mask=ro < R, other=0).to(tl.int64)
+    slot_of = tl.cumsum(per_destination, axis=0) - per_destination   # rows from d start after those before d
+    regions = tl.full([BLOCK_R], slot_word, tl.int64)
+    self_row0 = tl.load(prefix_ptr + rank).to(tl.int64)
+    arrived = ctrl + arrive_word + ro * AMAX + 2 * q
+    reduced = tl.zeros([], tl.int32)
+    unsent = tl.sum(hi - lo)
+    failed = (ok == 0) | (unsent < 0)
+    start = clock_ns()
+    while ((unsent > 0) | (reduced < end - first)) & (failed == 0):
+        pushing = unsent > 0
+        if pushing:
+            step = tl.where(peers, tl.minimum(hi - lo - sent, stage_tokens), 0)
+            for s in tl.static_range(R):
+                if s != rank:
+                    n = lane(step, ro, s)
+                    stage_first = tl.where(half == 0, lane(lo + sent, ro, s), lane(hi - sent, ro, s) - n)
+                    x_row0 = lane(row_bases, ro, s)
+                    slot0 = (tl.load(combine_row0_ptr + s) + x_row0 - tl.load(prefix_ptr + s)).to(tl.int64)
+                    peer = tl.load(bases_ptr + s)
+                    for v in range(stage_first, stage_first + n, ROWS):
+                        live = v + to < stage_first + n
+                        rows = (x_row0 + v + to).to(tl.int64)
+                        tile = tl.load(x_ptr + rows[:, None] * H + ho[None, :],
+                                       mask=live[:, None] & (ho[None, :] < H), other=0.0)
+                        weights = tl.load(weights_ptr + rows[:, None] * K + ko[None, :],
+                                          mask=live[:, None] & (ko[None, :] < K), other=0.0)
+                        slots = peer + 4 * (slot_word + ((slot0 + v + to) % capacity) * slot_words)
+                        store_combine_slots(slots, live, tile, weights, ho, ko, H, K, X_OFF, BLOCK_H)
+            sent += step
+            unsent = tl.sum(hi - lo - sent)
+            publish(progress_ptrs, mark + sent.to(tl.int64), peers)
+        fronts = rows_arrived(arrived, mark, peers)
+        backs = rows_arrived(arrived + 1, mark, peers)
+        tl.debug_barrier()   # every thread's reads of the slots follow the acquiring loads
+        awaited = tl.full([], NO_PEER, tl.int32)
+        reduced_before = reduced
+        going = reduced < end - first
+        while going:
+            n = tl.minimum(end - first - reduced, ROWS)
+            tokens = tl.where(half == 0, first + reduced, end - reduced - n) + to
+            ready, awaited = tokens_ready(tokens, to < n, in_rank_ptr, before_ptr, before_first, own_counts, fronts,
+                                          backs, rank, ro, R)
+            if ready:
+                reduce_tokens(tokens, to < n, x_ptr, weights_ptr, in_rank_ptr, before_ptr, bias0_ptr, bias1_ptr,
+                              out_ptr, out_weights_ptr, own, regions, slot_of, capacity, slot_words, self_row0,
+                              num_rows, rank, ro, ho, ko, R, H, K, X_OFF, HAS_BIAS0, HAS_BIAS1, BLOCK_H, BLOCK_K,
+                              ROWS)
+                reduced += n
+            going = ready & (reduced < end - first)
+        if pushing | (reduced > reduced_before):
+            start = clock_ns()
+        elif time_passed(start, STALE_NS):   # (a timeout of the Buffer before this one ends the wait too)
+            if cta_any(tl.load(status_ptr, volatile=True)) | time_passed(start, timeout_ns):
+                report_timeout(status_ptr, WAIT_ROWS, awaited)
+                failed = reduced < end - first
     end_operation(ctrl, ops_word, done_word, ticket_word, peer_bases, rank, peers, ops)
