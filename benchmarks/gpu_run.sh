@@ -5,7 +5,7 @@
 # Usage: bash benchmarks/gpu_run.sh [seconds for the tests, default 500] [parts, default "bench normal ll other"]
 #   bench: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py, DEEP_EP_LL_OWN_FROM_X=1 and 0
 #          alternated) and their synchronisation steps (benchmarks/ll_fixed_costs.py); normal mode at 24, 16
-#          and 8 SMs and low-latency mode, the latter with either setting too (2 GPUs); on one GPU a short
+#          and 8 SMs (and the direct protocol's stage sizes, benchmarks/sweep_normal.py) and low-latency mode, the latter with either setting too (2 GPUs); on one GPU a short
 #          low-latency run with both ranks on it, which checks the benchmark's code paths (its times say nothing
 #          of NVLink)
 #   normal: tests/test_nvlink.py and test_nvlink_launch.py (and the comparisons again with the rings only); ll: the
@@ -68,6 +68,11 @@ if has bench; then
         bench "24 SMs, 2 GB buffer" --mode all --num-sms 24 --nvl-bytes 2000000000 --kernels
         bench "16 SMs, 2 GB buffer" --mode normal --num-sms 16 --nvl-bytes 2000000000
         bench "8 SMs, 2 GB buffer" --mode normal --num-sms 8 --nvl-bytes 2000000000
+        # the direct protocol's stages: one (push all, then copy out / reduce) against a few tokens at a time
+        echo "=== direct protocol stages, 2 GB buffer" >> "$out/bench.txt"
+        timeout "$limit" python3 benchmarks/sweep_normal.py --num-sms 24 16 --nvl-bytes 2000000000 --setting "" \
+            --setting DEEP_EP_NVLINK_STAGE_TOKENS=16 --setting DEEP_EP_NVLINK_STAGE_TOKENS=64 >> "$out/bench.txt" 2>&1 \
+            || bench_status=$?
         # the size hint's buffer: the rows stream through the rings
         bench "24 SMs, hint-sized buffer (rings)" --mode normal --num-sms 24 --kernels
         DEEP_EP_NVLINK_OWN_ROWS=receiver bench "24 SMs, rings, own rows copied by the receivers" --mode normal --num-sms 24

@@ -175,7 +175,8 @@ def test_normal_combine_moves_rows_in_16_bytes(protocol, biases):
     constexprs = dict(R=R, H=H, K=K, X_OFF=_combine_slot(K, H)[0], HAS_BIAS0=biases >= 1, HAS_BIAS1=biases == 2,
                       BLOCK_H=_next_pow2(H), BLOCK_K=K, BLOCK_R=R, ROWS=_rows_per_step(H, COMBINE_TILE))
     if protocol == "direct":
-        kernel, constexprs = direct.direct_combine_kernel, dict(constexprs, C=12, AMAX=48)
+        kernel = direct.direct_combine_kernel
+        constexprs = dict(constexprs, C=12, AMAX=48, REDUCE_ROWS=max(1, constexprs["ROWS"] // 2))
     else:
         kernel, constexprs = combine.combine_kernel, dict(constexprs, C=12, CMAX=64)
     counts = _accesses(kernel, NUM_WARPS, constexprs, ("slot_words", "ring_words"), fp_fusion=False)
@@ -271,7 +272,7 @@ def _uniformity_cases():
         "dispatch rings": (dispatch.dispatch_kernel, dict(rows, CMAX=8, OWN_BY_SENDER=False)),
         "dispatch direct": (direct.direct_dispatch_kernel, dict(rows, AMAX=8)),
         "combine rings": (combine.combine_kernel, dict(combine_rows, C=4, CMAX=8)),
-        "combine direct": (direct.direct_combine_kernel, dict(combine_rows, C=4, AMAX=8)),
+        "combine direct": (direct.direct_combine_kernel, dict(combine_rows, C=4, AMAX=8, REDUCE_ROWS=2)),
         "notify": (notify.notify_kernel, dict(R=r, REC=64, STRIDE=64, BLOCK=64, BLOCK_R=r)),
     }
 

@@ -55,10 +55,15 @@ DIRECT = os.environ.get("DEEP_EP_NVLINK_DIRECT", "1") != "0"   # the direct prot
 # tokens a direct dispatch program pushes (rows per peer, in a direct combine) between two looks at what has
 # arrived, to copy out or reduce (direct.py); 0: all of them first
 STAGE_TOKENS = int(os.environ.get("DEEP_EP_NVLINK_STAGE_TOKENS", "0"))
-if STAGE_TOKENS < 0:
-    raise ValueError(f"DEEP_EP_NVLINK_STAGE_TOKENS must be >= 0 (0: one stage), got {STAGE_TOKENS}")
+if not 0 <= STAGE_TOKENS <= 1 << 30:
+    raise ValueError(f"DEEP_EP_NVLINK_STAGE_TOKENS must be in [0, 2^30] (0: one stage), got {STAGE_TOKENS}")
 LAYOUT_TOKENS = 64             # tokens per layout program
 _ALIGN = 256
+
+
+def _stage_tokens() -> int:
+    """The direct kernels' stage (STAGE_TOKENS; one stage as 2^30 tokens)."""
+    return STAGE_TOKENS or 1 << 30
 
 
 def _ctrl_bytes(num_ranks: int) -> int:
@@ -467,7 +472,7 @@ class NVLinkTransport(Transport):
             vary = _DISPATCH_VARY[:9] + ("push_row0_ptr",) + _DISPATCH_VARY[9:]
             return Relaunch(direct_dispatch_kernel, (2 * C,), vary,
                             arrive_word=self.arrive_word, slot_word=self.ring_word,
-                            capacity=self._capacity(slot_words), stage_tokens=STAGE_TOKENS or 1 << 30,
+                            capacity=self._capacity(slot_words), stage_tokens=_stage_tokens(),
                             AMAX=2 * CMAX, **fixed)
         from .dispatch import dispatch_kernel
         return Relaunch(dispatch_kernel, (2 * C,), _DISPATCH_VARY, tail_word=self.tail_word, head_word=self.head_word,
@@ -514,11 +519,13 @@ class NVLinkTransport(Transport):
                      BLOCK_K=_next_pow2(max(topk, 1)), BLOCK_R=_next_pow2(R),
                      ROWS=_rows_per_step(hidden, COMBINE_TILE), num_warps=NUM_WARPS)
         if direct:
+            # (its reduce takes tiles of half a push step's rows: their f32 sums then stay in registers beside the
+            # kernel's other live values, where full tiles spill to local memory in the sm_90 code)
             from .direct import direct_combine_kernel
             return Relaunch(direct_combine_kernel, (2 * C,), vary[:7] + ("combine_row0_ptr",) + vary[7:],
                             arrive_word=self.arrive_word, slot_word=self.ring_word,
-                            capacity=self._capacity(slot_words), stage_tokens=STAGE_TOKENS or 1 << 30, C=C,
-                            AMAX=2 * CMAX, **fixed)
+                            capacity=self._capacity(slot_words), stage_tokens=_stage_tokens(), C=C,
+                            AMAX=2 * CMAX, REDUCE_ROWS=max(1, fixed["ROWS"] // 2), **fixed)
         from .combine import combine_kernel
         return Relaunch(combine_kernel, (2 * C,), vary, tail_word=self.tail_word, head_word=self.head_word,
                         sent_word=self.sent_word, recvd_word=self.recvd_word, ring_word=self.ring_word,

@@ -6,9 +6,9 @@ from the dispatch's host wait); the rings (dispatch.py, combine.py) serve the re
 Buffers (per rank): `capacity` slots in the area the rings otherwise use (slot formats of dispatch.py and
 combine.py; slot numbers are taken modulo `capacity`, which the host's choice makes a no-op, so that inputs
 changed against the handle can garble rows but never write outside the buffer);
-counters ARRIVE[source][program] = (OPS << 32) + n: program `program` of `source` has pushed its first n rows
-here in operation OPS (dispatch), or all of them (combine: n = ALL_ROWS). A value below OPS << 32 is left from
-an earlier operation and counts as n = 0; ARRIVE only grows. Every program first waits until every peer has
+counters ARRIVE[source][program] = (OPS << 32) + n: program `program` of `source` has pushed n rows here in
+operation OPS (which ones: below). A value below OPS << 32 is left from an earlier operation and counts as n = 0;
+ARRIVE only grows. Every program first waits until every peer has
 read all earlier operations out of its buffer, and the last to finish publishes that this rank has
 (sync.begin_operation / end_operation), so slots are never overwritten while read, whatever protocol the
 previous operation used.
@@ -24,13 +24,16 @@ here from channel q, in token order):
     peer s, those that have arrived: from its low end up as far as ARRIVE[s][2q] reaches, from its high end
     down as far as ARRIVE[s][2q + 1] reaches (the two meet where s's half-channels split the rows), until
     every row is copied, from the slots into the same output rows.
-Combine (2C programs):
-  push: the rows of x that came from peers (all but [prefix[rank], prefix[rank + 1])) are split evenly over
-    the programs; row i from source s goes to slot combine_row0[s] + i - prefix[s] of s's buffer (combine_row0[s]:
-    the rows s sent to ranks before this one). Publish ARRIVE[rank][p] = (OPS << 32) + ALL_ROWS in every peer.
-  reduce: wait for ARRIVE[d][*] of every peer d (any of its programs may hold rows of any token), then
-    combine tokens [p * ceil(T / 2C), ...) as combine.py does, the row from d being in slot
-    (tokens this rank sent to ranks before d) + position.
+Combine (2C programs; rows of (s, q): the rows of x that came from rank s's channel q, in token order):
+  push, in stages of `stage_tokens` rows per peer: program p returns half h of the rows of (s, q) to every
+    peer s, half 0 from its low end up, half 1 from its high end down; row i of x from source s goes to slot
+    combine_row0[s] + i - prefix[s] of s's buffer (combine_row0[s]: the rows s sent to ranks before this
+    one). After each stage, publish in every peer s ARRIVE[rank][p] = the rows of (s, q) returned so far.
+  reduce, between stages and after the last one: program p combines the tokens of half h of channel q (half
+    1 from its last token backwards), a tile at a time once the rows of its tokens from every peer d have
+    arrived (the token's row among (this rank, q)'s rows at d is below ARRIVE[d][2q], or at least count -
+    ARRIVE[d][2q + 1]), as combine.py does: the row from d is in slot (tokens this rank sent to ranks before
+    d) + position.
 Each program waits for programs of its peers' kernels, so every rank's 2C programs must be able to run at
 once (as with the rings): always so with one rank per GPU; with several ranks sharing a GPU, keep their
 programs within what it holds.
@@ -44,7 +47,19 @@ from .intrinsics import clock_ns, cta_any
 from .sync import (NO_PEER, STALE_NS, WAIT_ROWS, begin_operation, channel_tokens, end_operation, lane, peer_view,
                    publish, report_timeout, time_passed)
 
-ALL_ROWS = tl.constexpr(1 << 31)   # an ARRIVE word's n once a combine program has pushed all its rows
+IDLE_POLLS = tl.constexpr(256)   # looks at the arrivals without progress between two looks at the clock
+
+
+@triton.jit
+def gave_up(start, idle, timeout_ns, status_ptr):
+    """Whether a program that has polled `idle` times without progress since `start` (a clock_ns reading) stops
+    waiting: every IDLE_POLLS-th poll, once STALE_NS have passed, if `timeout_ns` have or an earlier wait of the
+    Buffer timed out (status[0]), as sync's waits do. The same answer in every thread."""
+    stop = idle < 0
+    if idle % IDLE_POLLS == 0:
+        if time_passed(start, STALE_NS):
+            stop = cta_any(tl.load(status_ptr, volatile=True)) | time_passed(start, timeout_ns)
+    return stop
 
 
 @triton.jit
@@ -117,6 +132,7 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
     remaining = tl.sum(back - front)
     failed = (ok == 0) | (remaining < 0)
     start = clock_ns()
+    idle = tl.zeros([], tl.int32)
     while ((pushed < end - first) | (remaining > 0)) & (failed == 0):
         if pushed < end - first:
             upto = pushed + tl.minimum(stage_tokens, end - first - pushed)
@@ -151,11 +167,12 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
             back = new_back
             remaining = tl.sum(back - front)
             start = clock_ns()
+            idle = tl.zeros([], tl.int32)
         elif pushed >= end - first:
-            if time_passed(start, STALE_NS):   # (a timeout of the Buffer before this one ends the wait too)
-                if cta_any(tl.load(status_ptr, volatile=True)) | time_passed(start, timeout_ns):
-                    report_timeout(status_ptr, WAIT_ROWS, tl.min(tl.where(peers & (back > front), ro, NO_PEER)))
-                    failed = remaining > 0
+            idle += 1
+            if gave_up(start, idle, timeout_ns, status_ptr):
+                report_timeout(status_ptr, WAIT_ROWS, tl.min(tl.where(peers & (back > front), ro, NO_PEER)))
+                failed = remaining > 0
     end_operation(ctrl, ops_word, done_word, ticket_word, peer_bases, rank, peers, ops)
 
 
@@ -186,12 +203,14 @@ def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_coun
                           slot_words, capacity, stage_tokens, timeout_ns, C: tl.constexpr, AMAX: tl.constexpr,
                           R: tl.constexpr, H: tl.constexpr, K: tl.constexpr, X_OFF: tl.constexpr,
                           HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, BLOCK_H: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
+                          BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+                          REDUCE_ROWS: tl.constexpr):
     pid = tl.program_id(0)
     q = pid // 2
     half = pid % 2
     ro, peers, own, ctrl, peer_bases = peer_view(bases_ptr, rank, R, BLOCK_R)
     to = tl.arange(0, ROWS)
+    ro_reduce = tl.arange(0, REDUCE_ROWS)
     ho = tl.arange(0, BLOCK_H)
     ko = tl.arange(0, BLOCK_K)
     ops, ok = begin_operation(ctrl, ops_word, done_word, peers, ro, timeout_ns, status_ptr)
@@ -220,6 +239,7 @@ def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_coun
     unsent = tl.sum(hi - lo)
     failed = (ok == 0) | (unsent < 0)
     start = clock_ns()
+    idle = tl.zeros([], tl.int32)
     while ((unsent > 0) | (reduced < end - first)) & (failed == 0):
         pushing = unsent > 0
         if pushing:
@@ -250,21 +270,23 @@ def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_coun
         reduced_before = reduced
         going = reduced < end - first
         while going:
-            n = tl.minimum(end - first - reduced, ROWS)
-            tokens = tl.where(half == 0, first + reduced, end - reduced - n) + to
-            ready, awaited = tokens_ready(tokens, to < n, in_rank_ptr, before_ptr, before_first, own_counts, fronts,
-                                          backs, rank, ro, R)
+            n = tl.minimum(end - first - reduced, REDUCE_ROWS)
+            tokens = tl.where(half == 0, first + reduced, end - reduced - n) + ro_reduce
+            ready, awaited = tokens_ready(tokens, ro_reduce < n, in_rank_ptr, before_ptr, before_first, own_counts,
+                                          fronts, backs, rank, ro, R)
             if ready:
-                reduce_tokens(tokens, to < n, x_ptr, weights_ptr, in_rank_ptr, before_ptr, bias0_ptr, bias1_ptr,
-                              out_ptr, out_weights_ptr, own, regions, slot_of, capacity, slot_words, self_row0,
-                              num_rows, rank, ro, ho, ko, R, H, K, X_OFF, HAS_BIAS0, HAS_BIAS1, BLOCK_H, BLOCK_K,
-                              ROWS)
+                reduce_tokens(tokens, ro_reduce < n, x_ptr, weights_ptr, in_rank_ptr, before_ptr, bias0_ptr,
+                              bias1_ptr, out_ptr, out_weights_ptr, own, regions, slot_of, capacity, slot_words,
+                              self_row0, num_rows, rank, ro, ho, ko, R, H, K, X_OFF, HAS_BIAS0, HAS_BIAS1, BLOCK_H,
+                              BLOCK_K, REDUCE_ROWS)
                 reduced += n
             going = ready & (reduced < end - first)
         if pushing | (reduced > reduced_before):
             start = clock_ns()
-        elif time_passed(start, STALE_NS):   # (a timeout of the Buffer before this one ends the wait too)
-            if cta_any(tl.load(status_ptr, volatile=True)) | time_passed(start, timeout_ns):
+            idle = tl.zeros([], tl.int32)
+        else:
+            idle += 1
+            if gave_up(start, idle, timeout_ns, status_ptr):
                 report_timeout(status_ptr, WAIT_ROWS, awaited)
                 failed = reduced < end - first
     end_operation(ctrl, ops_word, done_word, ticket_word, peer_bases, rank, peers, ops)
