@@ -51,6 +51,21 @@ IDLE_POLLS = tl.constexpr(256)   # looks at the arrivals without progress betwee
 
 
 @triton.jit
+def half_channel(q, half, num_tokens, C):
+    """The tokens [first, end) of half `half` of channel q (the first half takes the extra token)."""
+    t0, t1 = channel_tokens(q, num_tokens, C)
+    middle = t0 + (t1 - t0 + 1) // 2
+    return tl.where(half == 0, t0, middle), tl.where(half == 0, middle, t1)
+
+
+@triton.jit
+def half_rows(counts, half):
+    """The rows [lo, hi) of half `half` of `counts` rows (per lane; the first half takes the extra row)."""
+    middle = (counts + 1) // 2
+    return tl.where(half == 0, 0, middle), tl.where(half == 0, middle, counts)
+
+
+@triton.jit
 def gave_up(start, idle, timeout_ns, status_ptr):
     """Whether a program that has polled `idle` times without progress since `start` (a clock_ns reading) stops
     waiting: every IDLE_POLLS-th poll, once STALE_NS have passed, if `timeout_ns` have or an earlier wait of the
@@ -110,10 +125,7 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
     ops, ok = begin_operation(ctrl, ops_word, done_word, peers, ro, timeout_ns, status_ptr)
     mark = ops.to(tl.int64) << 32
     # pushing: tokens [first, end) of the channel's half, half 0 from the front, half 1 from the back
-    t0, t1 = channel_tokens(q, num_tokens, C)
-    middle = t0 + (t1 - t0 + 1) // 2
-    first = tl.where(half == 0, t0, middle)
-    end = tl.where(half == 0, middle, t1)
+    first, end = half_channel(q, half, num_tokens, C)
     push_row0 = tl.load(push_row0_ptr + ro, mask=ro < R, other=0).to(tl.int64)
     regions = tl.full([BLOCK_R], slot_word, tl.int64)
     self_row0 = tl.load(prefix_ptr + rank)
@@ -125,8 +137,7 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
     # count - ARRIVE[s][2q + 1] on from the back.
     counts = tl.load(recv_count_ptr + ro * C + q, mask=peers, other=0)
     bases = tl.load(recv_base_ptr + ro * C + q, mask=peers, other=0)
-    front = tl.where(half == 0, 0, (counts + 1) // 2)
-    back = tl.where(half == 0, (counts + 1) // 2, counts)
+    front, back = half_rows(counts, half)
     arrived = ctrl + arrive_word + ro * AMAX + 2 * q
     pushed = tl.zeros([], tl.int32)
     remaining = tl.sum(back - front)
@@ -219,15 +230,12 @@ def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_coun
     # from hi down; `sent` of them so far
     counts = tl.load(recv_count_ptr + ro * C + q, mask=peers, other=0)
     row_bases = tl.load(recv_base_ptr + ro * C + q, mask=peers, other=0)
-    lo = tl.where(half == 0, 0, (counts + 1) // 2)
-    hi = tl.where(half == 0, (counts + 1) // 2, counts)
+    lo, hi = half_rows(counts, half)
     sent = tl.zeros([BLOCK_R], tl.int32)
     progress_ptrs = (peer_bases + (arrive_word + rank * AMAX + pid) * 8).to(tl.pointer_type(tl.int64))
     # reducing: tokens [first, end) of the channel's half, half 0 from the front, half 1 from the back
+    first, end = half_channel(q, half, num_tokens, C)
     t0, t1 = channel_tokens(q, num_tokens, C)
-    middle = t0 + (t1 - t0 + 1) // 2
-    first = tl.where(half == 0, t0, middle)
-    end = tl.where(half == 0, middle, t1)
     before_first = tl.load(before_ptr + t0 * R + ro, mask=ro < R, other=0)
     own_counts = tl.load(before_ptr + t1 * R + ro, mask=ro < R, other=0) - before_first   # rows of (rank, q) at d
     per_destination = tl.load(before_ptr + num_tokens * R + ro, mask=ro < R, other=0).to(tl.int64)
