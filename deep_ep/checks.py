@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import zlib
 from typing import Optional, Sequence, Tuple, Union
 
@@ -51,6 +52,20 @@ def check_int(name: str, value, *, minimum: Optional[int] = None, maximum: Optio
         raise ValueError(f"{name} must be <= {maximum}, got {value}")
     if multiple_of is not None and value % multiple_of:
         raise ValueError(f"{name} must be a multiple of {multiple_of}, got {value}")
+    return value
+
+
+def int_setting(variable: str, default: int, *, minimum: int, maximum: int) -> int:
+    """The integer environment setting `variable` (`default` where unset); ValueError naming it otherwise."""
+    text = os.environ.get(variable)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{variable} must be an integer, got {text!r}") from None
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{variable} must be in [{minimum}, {maximum}], got {value}")
     return value
 
 

@@ -16,6 +16,8 @@ import gc
 import inspect
 import os
 import re
+import subprocess
+import sys
 import traceback
 import warnings
 import weakref
@@ -1132,3 +1134,17 @@ def test_calls_that_wait_on_the_host_are_refused_inside_a_graph_capture(pool, tr
                 reason = "normal-mode"   # (refused as every call of the transport is)
             assert f"{operation} cannot run inside a CUDA graph capture" in message and reason in message, \
                 f"{name}: {message}"
+
+
+@pytest.mark.parametrize("variable, value, expected", [
+    ("DEEP_EP_NVLINK_STAGE_TOKENS", "-1", "must be in [0, 1073741824], got -1"),
+    ("DEEP_EP_NVLINK_STAGE_TOKENS", "4e3", "must be an integer, got '4e3'"),
+    ("DEEP_EP_NVLINK_BATCH", "0", "must be in [1, 1048576], got 0"),
+    ("DEEP_EP_LL_SENDERS", "many", "must be an integer, got 'many'"),
+    ("DEEP_EP_NVLINK_OWN_ROWS", "peer", "must be 'sender' or 'receiver', got 'peer'"),
+])
+def test_a_bad_transport_setting_is_an_error_naming_the_variable(variable, value, expected):
+    done = subprocess.run([sys.executable, "-c", "import deep_ep.transport.nvlink.low_latency"],
+                          env=dict(os.environ, **{variable: value}), capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"ValueError: {variable} {expected}" in done.stderr, done.stderr[-2000:]

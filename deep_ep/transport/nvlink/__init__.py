@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
-from ...checks import disagreement, too_many_rows_message
+from ...checks import disagreement, int_setting, too_many_rows_message
 from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology, warn_caller
 from ..base import DispatchOutput, Transport
@@ -42,10 +42,10 @@ from .launcher import Pointer, Relaunch
 
 CMAX = 64                      # most channels (num_sms / 2) an operation may use
 MAX_EXPERTS_PER_RANK = 1024
-BATCH = int(os.environ.get("DEEP_EP_NVLINK_BATCH", "64"))   # tokens (rows per ring) per flow-control step
-NUM_WARPS = int(os.environ.get("DEEP_EP_NVLINK_NUM_WARPS", "16"))
-DISPATCH_TILE = int(os.environ.get("DEEP_EP_NVLINK_DISPATCH_TILE", "16384"))   # int32 words per step
-COMBINE_TILE = int(os.environ.get("DEEP_EP_NVLINK_COMBINE_TILE", "32768"))     # bf16 values per step
+BATCH = int_setting("DEEP_EP_NVLINK_BATCH", 64, minimum=1, maximum=1 << 20)   # tokens (rows per ring) per step
+NUM_WARPS = int_setting("DEEP_EP_NVLINK_NUM_WARPS", 16, minimum=1, maximum=32)
+DISPATCH_TILE = int_setting("DEEP_EP_NVLINK_DISPATCH_TILE", 16384, minimum=1, maximum=1 << 20)   # int32 words a step
+COMBINE_TILE = int_setting("DEEP_EP_NVLINK_COMBINE_TILE", 32768, minimum=1, maximum=1 << 20)     # bf16 values a step
 # which program copies a rank's own tokens to its outputs in dispatch: "sender" (the measured default) or
 # "receiver" (senders then only push to peers; correct on the GPU, its speed not yet measured on 2 GPUs)
 OWN_ROWS = os.environ.get("DEEP_EP_NVLINK_OWN_ROWS", "sender")
@@ -54,9 +54,7 @@ if OWN_ROWS not in ("sender", "receiver"):
 DIRECT = os.environ.get("DEEP_EP_NVLINK_DIRECT", "1") != "0"   # the direct protocol where the rows fit
 # tokens a direct dispatch program pushes (rows per peer, in a direct combine) between two looks at what has
 # arrived, to copy out or reduce (direct.py); 0: all of them first
-STAGE_TOKENS = int(os.environ.get("DEEP_EP_NVLINK_STAGE_TOKENS", "0"))
-if not 0 <= STAGE_TOKENS <= 1 << 30:
-    raise ValueError(f"DEEP_EP_NVLINK_STAGE_TOKENS must be in [0, 2^30] (0: one stage), got {STAGE_TOKENS}")
+STAGE_TOKENS = int_setting("DEEP_EP_NVLINK_STAGE_TOKENS", 0, minimum=0, maximum=1 << 30)
 LAYOUT_TOKENS = 64             # tokens per layout program
 _ALIGN = 256
 

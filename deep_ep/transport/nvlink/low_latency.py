@@ -24,14 +24,15 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from ...checks import int_setting
 from ...config import LowLatencyLayout, _round_up
 from ...fp8 import num_scale_groups
 from ...group import Group, Topology
 from ..base import LowLatencyDispatchOutput, LowLatencyOptions
 from .launcher import Pointer, Relaunch
 
-NUM_SENDERS = int(os.environ.get("DEEP_EP_LL_SENDERS", "128"))   # send programs; the same on every rank
-NUM_WARPS = int(os.environ.get("DEEP_EP_LL_NUM_WARPS", "8"))
+NUM_SENDERS = int_setting("DEEP_EP_LL_SENDERS", 128, minimum=1, maximum=1 << 16)   # send programs; same on all ranks
+NUM_WARPS = int_setting("DEEP_EP_LL_NUM_WARPS", 8, minimum=1, maximum=32)
 RECV_ROWS = 4             # rows a dispatch receive program copies at once
 COMBINE_SEND_ROWS = 4     # rows a combine send program moves at once
 COMBINE_TILE = 8192       # values of the K rows a combine receive program loads at once
@@ -50,7 +51,7 @@ RECV_SMALL_TILE = 8192
 # most tokens for which a call without a hook runs as one kernel: the fused kernel saves a launch and a gap,
 # but receives with NUM_SENDERS programs of NUM_WARPS warps (one H200, one rank, graph replays of dispatch +
 # combine, us, fused / two kernels: 1 token 26.8-28.4 / 28.2, 8: 29.9-31.8 / 29.2, 16: 30.2-32.0 / 29.5)
-FUSED_MAX_TOKENS = int(os.environ.get("DEEP_EP_LL_FUSED_MAX_TOKENS", "4"))
+FUSED_MAX_TOKENS = int_setting("DEEP_EP_LL_FUSED_MAX_TOKENS", 4, minimum=0, maximum=1 << 20)
 # without a hook, the combine's receive reads this rank's own rows from the expert output instead of their being
 # sent to itself ("0": every row is sent, as with a hook)
 OWN_FROM_X = os.environ.get("DEEP_EP_LL_OWN_FROM_X", "1") != "0"
