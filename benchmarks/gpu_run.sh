@@ -5,8 +5,8 @@
 # Usage: bash benchmarks/gpu_run.sh [seconds for the tests, default 500] [parts, default "bench normal ll other"]
 #   bench: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py, DEEP_EP_LL_OWN_FROM_X=1 and 0
 #          alternated) and their synchronisation steps (benchmarks/ll_fixed_costs.py); normal mode at 24, 16
-#          and 8 SMs (and the direct protocol's stage sizes, benchmarks/sweep_normal.py) and low-latency mode, the latter with either setting too (2 GPUs); on one GPU a short
-#          low-latency run with both ranks on it, which checks the benchmark's code paths (its times say nothing
+#          and 8 SMs (and the direct protocol's stage sizes, benchmarks/sweep_normal.py) and low-latency mode,
+#          the latter with either setting too (2 GPUs); on one GPU a short low-latency run with both ranks on it, which checks the benchmark's code paths (its times say nothing
 #          of NVLink)
 #   normal: tests/test_nvlink.py and test_nvlink_launch.py (and the comparisons again with the rings only); ll: the
 #   low-latency tests (ll-compare: the comparisons with the reference; ll-variants: the 2-rank comparison with
