@@ -6,8 +6,8 @@
 #   bench: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py, DEEP_EP_LL_OWN_FROM_X=1 and 0
 #          alternated) and their synchronisation steps (benchmarks/ll_fixed_costs.py); normal mode at 24, 16
 #          and 8 SMs (and the direct protocol's stage sizes, benchmarks/sweep_normal.py) and low-latency mode,
-#          the latter with either setting too (2 GPUs); on one GPU a short low-latency run with both ranks on it, which checks the benchmark's code paths (its times say nothing
-#          of NVLink)
+#          the latter with either setting too (2 GPUs); on one GPU a short low-latency run with both ranks on
+#          it, which checks the benchmark's code paths (its times say nothing of NVLink)
 #   normal: tests/test_nvlink.py and test_nvlink_launch.py (and the comparisons again with the rings only); ll: the
 #   low-latency tests (ll-compare: the comparisons with the reference; ll-variants: the 2-rank comparison with
 #   DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0, part of ll on 2 GPUs; ll-other: the rest; on one GPU they run one
