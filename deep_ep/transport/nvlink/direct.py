@@ -188,10 +188,10 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
 
 
 @triton.jit
-def tokens_ready(tokens, live, in_rank_ptr, before_ptr, before_first, counts, fronts, backs, rank, ro,
+def tokens_ready(tokens, live, in_rank_ptr, before_ptr, channel_before, counts, fronts, backs, rank, ro,
                  R: tl.constexpr):
     """Whether every peer's row of every token of a tile (where `live`) has arrived: the row of (this rank, q) at
-    position r (the token's place among this rank's tokens for d, minus before_first[d]) came from the front
+    position r (the token's place among this rank's tokens for d, minus channel_before[d]) came from the front
     if r < fronts[d], from the back if r >= counts[d] - backs[d]. Returns (all arrived, a peer still awaited)."""
     t64 = tokens.to(tl.int64)
     waiting = tl.zeros([], tl.int32)
@@ -199,7 +199,7 @@ def tokens_ready(tokens, live, in_rank_ptr, before_ptr, before_first, counts, fr
     for d in tl.static_range(R):
         if d != rank:
             take = live & (tl.load(in_rank_ptr + t64 * R + d, mask=live, other=0) != 0)
-            r = tl.load(before_ptr + t64 * R + d, mask=live, other=0) - lane(before_first, ro, d)
+            r = tl.load(before_ptr + t64 * R + d, mask=live, other=0) - lane(channel_before, ro, d)
             late = take & (r >= lane(fronts, ro, d)) & (r < lane(counts, ro, d) - lane(backs, ro, d))
             late_rows = tl.sum(late.to(tl.int32))
             awaited = tl.where((late_rows > 0) & (awaited == NO_PEER), d, awaited)
@@ -236,8 +236,8 @@ def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_coun
     # reducing: tokens [first, end) of the channel's half, half 0 from the front, half 1 from the back
     first, end = half_channel(q, half, num_tokens, C)
     t0, t1 = channel_tokens(q, num_tokens, C)
-    before_first = tl.load(before_ptr + t0 * R + ro, mask=ro < R, other=0)
-    own_counts = tl.load(before_ptr + t1 * R + ro, mask=ro < R, other=0) - before_first   # rows of (rank, q) at d
+    channel_before = tl.load(before_ptr + t0 * R + ro, mask=ro < R, other=0)   # this rank's rows for d before q
+    own_counts = tl.load(before_ptr + t1 * R + ro, mask=ro < R, other=0) - channel_before   # rows of (rank, q) at d
     per_destination = tl.load(before_ptr + num_tokens * R + ro, mask=ro < R, other=0).to(tl.int64)
     slot_of = tl.cumsum(per_destination, axis=0) - per_destination   # rows from d start after those before d
     regions = tl.full([BLOCK_R], slot_word, tl.int64)
@@ -280,7 +280,7 @@ def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_coun
         while going:
             n = tl.minimum(end - first - reduced, REDUCE_ROWS)
             tokens = tl.where(half == 0, first + reduced, end - reduced - n) + ro_reduce
-            ready, awaited = tokens_ready(tokens, ro_reduce < n, in_rank_ptr, before_ptr, before_first, own_counts,
+            ready, awaited = tokens_ready(tokens, ro_reduce < n, in_rank_ptr, before_ptr, channel_before, own_counts,
                                           fronts, backs, rank, ro, R)
             if ready:
                 reduce_tokens(tokens, ro_reduce < n, x_ptr, weights_ptr, in_rank_ptr, before_ptr, bias0_ptr,
