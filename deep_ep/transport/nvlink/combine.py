@@ -125,7 +125,7 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
             room = ring_slots - (sent0 + sent - heads)
             step = tl.where(open_, tl.minimum(tl.minimum(room, count - sent), batch), 0)
             if tl.sum(step) > 0:
-                for k in tl.static_range(R - 1):
+                for k in range(R - 1):
                     s = (rank + 1 + k) % R
                     n = lane(step, ro, s)
                     first = lane(sent0 + sent, ro, s)

@@ -167,7 +167,7 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
         new_front = tl.where(peers, tl.maximum(front, tl.minimum(fronts, back)), front)
         new_back = tl.where(peers, tl.minimum(back, tl.maximum(counts - backs, new_front)), back)
         if tl.sum((new_front - front) + (back - new_back)) > 0:
-            for s in tl.static_range(R):
+            for s in range(R):
                 if s != rank:
                     b = lane(bases, ro, s)
                     copy_out(own, b + lane(front, ro, s), b + lane(new_front, ro, s), b + lane(new_back, ro, s),
@@ -252,7 +252,7 @@ def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_coun
         pushing = unsent > 0
         if pushing:
             step = tl.where(peers, tl.minimum(hi - lo - sent, stage_tokens), 0)
-            for s in tl.static_range(R):
+            for s in range(R):
                 if s != rank:
                     n = lane(step, ro, s)
                     stage_first = tl.where(half == 0, lane(lo + sent, ro, s), lane(hi - sent, ro, s) - n)

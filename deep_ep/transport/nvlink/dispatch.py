@@ -209,7 +209,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
             tails = tl.atomic_add(tail_ptrs, 0, mask=open_, sem="acquire", scope="sys")
             avail = tl.where(open_, tl.minimum(tails - recvd0 - taken, count - taken), 0)
             if tl.sum(avail) > 0:
-                for s in tl.static_range(R):
+                for s in range(R):
                     if s != rank:
                         n = lane(avail, ro, s)
                         first = lane(recvd0 + taken, ro, s)
