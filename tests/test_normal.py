@@ -95,7 +95,12 @@ def to_device(x, device):
         return tuple(to_device(v, device) for v in x)
     if x.is_contiguous():
         return x.to(device)
-    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device).copy_(x)
+    # one host-waited copy of the memory the view spans, then the same view of it: a strided copy_ ends in a
+    # device copy kernel that the host does not wait for, which calls ordered only after a previous_event
+    # recorded earlier would race with
+    span = 1 + sum((n - 1) * stride for n, stride in zip(x.shape, x.stride())) if x.numel() else 0
+    return torch.as_strided(x, (span,), (1,), x.storage_offset()).to(device, copy=True).as_strided(
+        x.shape, x.stride())
 
 
 def make_sources(seed: int, case: Dict[str, Any], num_ranks: int, ranks_per_node: Optional[int]) -> List[model.Source]:
@@ -209,7 +214,7 @@ def event_kwargs(mode: str, last_event: Any = None):
     from deep_ep import Buffer
     if mode == "chain":  # synchronous, after the previous call's event (EventOverlap(None): Megatron, slime)
         return dict(previous_event=last_event), False
-    if mode == "chain_async_alloc":   # (safe here: the inputs come from host copies, which the host waits for)
+    if mode == "chain_async_alloc":   # (safe here: the inputs come from host-waited copies, see to_device)
         return dict(previous_event=last_event, async_finish=True, allocate_on_comm_stream=last_event is not None), True
     if mode == "sync":
         return {}, False
