@@ -346,7 +346,8 @@ class Buffer:
             num_worst_tokens: if > 0, allocate exactly this many receive rows; the NVLink transport then
                 never waits on the host (the reference transport always does).
             config: performance config (default `get_dispatch_config(group_size)`).
-            previous_event: run after this event instead of after the current stream's work.
+            previous_event: run after this event instead of after the current stream's work (so the inputs
+                must be complete when it is recorded: later work of the current stream is not waited for).
             async_finish: return without making the current stream wait; wait on the returned event.
             allocate_on_comm_stream: allocate outputs on the comm stream (needs previous_event and async).
 
