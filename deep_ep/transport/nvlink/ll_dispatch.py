@@ -29,8 +29,9 @@ Receive (programs over local experts): wait until ARRIVED[s] >= NUM_SENDERS * (c
 A wait that exceeds the timeout records (code, peer) in the host-visible status and skips the copies (a
 timed-out receive leaves empty outputs; a timed-out sender claims no arrival). In shrink mode the rank waited
 for is masked instead, and the call goes on without it (sync.py). An expert sent more rows than its R * N (only
-tokens listing it several times can) keeps its true count, but only its first R * N rows are written, and the
-receive reports it in the status (sync.report_bad_input) for the host's error.
+tokens listing it several times can) gets its first R * N rows, and counts (recv_count, layout_range) that
+describe those rows only, so that the combine never reads past them; the receive reports it in the status
+(sync.report_bad_input) for the host's error.
 """
 import triton
 import triton.language as tl
@@ -195,13 +196,16 @@ def _receive(masks_ptr, slots_ptr, arrived_ptr, received_ptr, mask_ptr, shrink_p
             rows_of = popcount(bits)
             ends = tl.cumsum(rows_of, axis=0)                # rows up to and including entry j
             total = tl.sum(rows_of)
-            per_source = tl.sum(tl.where(source_of[None, :] == ro[:, None], rows_of[None, :], 0), axis=1)
-            begins = tl.cumsum(per_source, axis=0) - per_source
-            tl.store(layout_ptr + e * R + ro, (begins.to(tl.int64) << 32) | per_source.to(tl.int64), mask=ro < R)
-            tl.store(count_ptr + e, total)
             if total > RN:   # (only tokens listing expert e several times can send it more rows than it has)
                 report_bad_input(status_ptr, TOO_MANY_ROWS, e)
             written = tl.minimum(total, RN)
+            # the counts describe the rows written (the first R * N), so that nothing reads past them
+            per_source = tl.sum(tl.where(source_of[None, :] == ro[:, None], rows_of[None, :], 0), axis=1)
+            begins = tl.cumsum(per_source, axis=0) - per_source
+            per_source = tl.minimum(per_source, tl.maximum(written - begins, 0))
+            begins = tl.minimum(begins, written)
+            tl.store(layout_ptr + e * R + ro, (begins.to(tl.int64) << 32) | per_source.to(tl.int64), mask=ro < R)
+            tl.store(count_ptr + e, written)
             for p0 in range(0, written, ROWS):
                 p = p0 + po
                 live = p < written
