@@ -4,7 +4,8 @@ kernels, which the interpreter cannot run alongside it, so a small kernel calls 
 out as the senders leave them: the peers' rows in ring slots of this rank's area (weights first, then the
 bf16 row, wrapping around each ring), its own rows in x. The outputs are compared bit for bit with the
 reference transport's order: f32(bias0) + f32(bias1), then the rows of ranks d ascending that the token went
-to, rounded to bf16 once. Prints "ok", or the mismatches."""
+to, rounded to bf16 once. Also the direct protocol's reading of its ARRIVE words (direct.rows_arrived) around
+the operation counts where (OPS << 32) wraps. Prints "ok", or the mismatches."""
 import sys
 from typing import List
 
@@ -15,6 +16,7 @@ from randomness import base_seed, generator
 
 from deep_ep.transport.nvlink import _combine_slot, _next_pow2
 from deep_ep.transport.nvlink.combine import reduce_tokens
+from deep_ep.transport.nvlink.direct import rows_arrived
 
 
 @triton.jit
@@ -31,6 +33,34 @@ def reduce_all(x_ptr, weights_ptr, in_rank_ptr, before_ptr, bias0_ptr, bias1_ptr
                   out_ptr, out_weights_ptr, own, regions, index0, modulo, slot_words, self_row0, num_rows, rank, ro,
                   tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_K), R, H, K, X_OFF, HAS_BIAS0, HAS_BIAS1, BLOCK_H,
                   BLOCK_K, ROWS)
+
+
+@triton.jit
+def read_arrivals(words_ptr, out_ptr, ops, n, BLOCK: tl.constexpr):
+    lanes = tl.arange(0, BLOCK)
+    tl.store(out_ptr + lanes, rows_arrived(words_ptr + lanes, ops.to(tl.int64) << 32, lanes < n), mask=lanes < n)
+
+
+def wrapped(value: int) -> int:
+    """`value` as the int64 that holds its low 64 bits."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def run_arrivals() -> List[str]:
+    """ARRIVE words of the current operation give their row count; words last written by an earlier operation,
+    up to 2^32 - 1 operations earlier, or never written, give 0, also after OPS << 32 has wrapped."""
+    errors: List[str] = []
+    for ops in (1, 5, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 7, 2 ** 32 - 1, 2 ** 32 + 3, 2 ** 40 + 2 ** 31):
+        cases = [(ops, 0), (ops, 1), (ops, 12345), (ops, 2 ** 31 - 1), (None, 0)]   # (operation, rows); None: never
+        cases += [(ops - gap, 77) for gap in (1, 2, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 1, 2 ** 32 - 1) if ops - gap >= 1]
+        words = torch.tensor([0 if op is None else wrapped((op << 32) + rows) for op, rows in cases], dtype=torch.int64)
+        out = torch.full((len(cases),), -1, dtype=torch.int32)
+        read_arrivals[(1,)](words, out, ops, len(cases), BLOCK=_next_pow2(len(cases)))
+        expected = [rows if op == ops else 0 for op, rows in cases]
+        if out.tolist() != expected:
+            errors.append(f"rows_arrived at OPS={ops}: got {out.tolist()} for {cases}, expected {expected}")
+    return errors
 
 
 def wide(gen: torch.Generator, *shape: int) -> torch.Tensor:
@@ -100,5 +130,6 @@ if __name__ == "__main__":
     seed = base_seed()   # (the test passes its own as DEEP_EP_TEST_SEED)
     for R, rank, biases in ((2, 0, 2), (3, 1, 1), (3, 2, 0), (4, 1, 2)):
         failures += run(R, rank, T=23, H=256, K=3, biases=biases, seed=seed)
+    failures += run_arrivals()
     print("\n".join(failures) if failures else "ok")
     sys.exit(1 if failures else 0)

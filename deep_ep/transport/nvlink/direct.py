@@ -7,8 +7,9 @@ Buffers (per rank): `capacity` slots in the area the rings otherwise use (slot f
 combine.py; slot numbers are taken modulo `capacity`, which the host's choice makes a no-op, so that inputs
 changed against the handle can garble rows but never write outside the buffer);
 counters ARRIVE[source][program] = (OPS << 32) + n: program `program` of `source` has pushed n rows here in
-operation OPS (which ones: below). A value below OPS << 32 is left from an earlier operation and counts as n = 0;
-ARRIVE only grows. Every program first waits until every peer has
+operation OPS (which ones: below). A word whose high 32 bits are not the low 32 bits of OPS is left from another
+operation and counts as n = 0 (a program with no rows publishes nothing, so a word can stay unwritten for many
+operations). Every program first waits until every peer has
 read all earlier operations out of its buffer, and the last to finish publishes that this rank has
 (sync.begin_operation / end_operation), so slots are never overwritten while read, whatever protocol the
 previous operation used.
@@ -80,9 +81,12 @@ def gave_up(start, idle, timeout_ns, status_ptr):
 @triton.jit
 def rows_arrived(ptrs, mark, peers):
     """The rows that ARRIVE words at `ptrs` (where `peers`) report for the operation whose OPS << 32 is `mark`
-    (0 for words of earlier operations); acquire, so the rows' slots may be read after a barrier."""
+    (0 for words of other operations: their high 32 bits differ from the low 32 bits of OPS; int64 arithmetic
+    wraps, so a word unwritten for more than 2^31 operations does not pass for a current one); acquire, so the
+    rows' slots may be read after a barrier."""
     values = tl.atomic_add(ptrs, 0, mask=peers, sem="acquire", scope="sys")
-    return tl.where(peers, tl.maximum(values - mark, 0), 0).to(tl.int32)
+    rows = values - mark
+    return tl.where(peers & (rows >= 0) & (rows < (1 << 32)), rows, 0).to(tl.int32)
 
 
 @triton.jit
