@@ -165,23 +165,113 @@ def run_unwritten_route(seed: int = 0) -> List[str]:
 
 def run_too_many_rows(seed: int = 0) -> List[str]:
     """Tokens that list one expert in every slot send it more rows than its R * N: the receive writes its first
-    R * N rows (source 0's first token first), keeps the true count, and reports the expert in the status
-    words for the host's error."""
+    R * N rows (source 0's first token first), counts only those (recv_count, layout_range), and reports the
+    expert in the status words for the host's error. The combine that follows reads no row past those: the
+    expert is rank 0's last local one, and its expert output is followed in memory by rows of NaN, which would
+    reach rank 0's second token if the combine read past the rows written."""
     R, N, H, K, E = 2, 2, 256, 4, 4
     gen = generator(seed, "interpreted low-latency, too many rows")
     ranks = make_ranks(R, N, H, E)
-    idx = torch.zeros(N, K, dtype=torch.int64)   # every slot of every token: expert 0 (rank 0's first)
+    e_loc = E // R
+    idx = torch.full((N, K), e_loc - 1)   # every slot of every token: rank 0's last expert
     sources = [M.Source(torch.randn(N, H, generator=gen).to(torch.bfloat16), idx, torch.rand(N, K, generator=gen))
                for _ in range(R)]
     outs = dispatch_all(ranks, sources, list(range(R)), N, E, MODES[0], [None] * R)
     errors: List[str] = []
     out = outs[0]
-    check(errors, "too many rows: recv_count", out.recv_count, torch.tensor([R * N * K, 0], dtype=torch.int32))
+    check(errors, "too many rows: recv_count", out.recv_count, torch.tensor([0, R * N], dtype=torch.int32))
+    check(errors, "too many rows: layout_range", out.layout_range[e_loc - 1],
+          torch.tensor([R * N, R * N << 32], dtype=torch.int64))
     check(errors, "too many rows: status (code, local expert)", ranks[0].status[2:4],
-          torch.tensor([2, 0], dtype=torch.int32))
-    check(errors, "too many rows: src_info of the rows written", out.src_info[0], torch.zeros(R * N, dtype=torch.int32))
-    check(errors, "too many rows: rows written", out.recv_x[0], sources[0].x[0].expand(R * N, H))
+          torch.tensor([2, e_loc - 1], dtype=torch.int32))
+    check(errors, "too many rows: src_info of the rows written", out.src_info[e_loc - 1],
+          torch.zeros(R * N, dtype=torch.int32))
+    check(errors, "too many rows: rows written", out.recv_x[e_loc - 1], sources[0].x[0].expand(R * N, H))
     check(errors, "too many rows: rank 1's status", ranks[1].status[2:4], torch.zeros(2, dtype=torch.int32))
+    with_nan = torch.randn(R, e_loc + 1, R * N, H, generator=gen).to(torch.bfloat16)
+    with_nan[:, e_loc:] = float("nan")
+    combined = [torch.empty(N, H, dtype=torch.bfloat16) for _ in range(R)]
+    steps = [ranks[r].combine(with_nan[r, :e_loc], idx, sources[r].topk_weights, outs[r].src_info,
+                              outs[r].layout_range, N, False, None, combined[r], None, 1, True) for r in range(R)]
+    for step in steps:
+        step()
+    rows = with_nan[0, e_loc - 1, :K].float()   # rank 0's token 0 got the R * N = K rows written, slot k: row k
+    expected = torch.zeros(H)
+    for k in range(K):
+        expected = expected + sources[0].topk_weights[0, k] * rows[k]
+    check(errors, "too many rows: combine of the token whose rows were written", combined[0][0],
+          expected.to(torch.bfloat16))
+    # the others' rows were never written: their slots hold what the area held (zeros), never NaN
+    check(errors, "too many rows: combine of rank 0's other token", combined[0][1],
+          torch.zeros(H, dtype=torch.bfloat16))
+    check(errors, "too many rows: combine of rank 1's tokens", combined[1], torch.zeros(N, H, dtype=torch.bfloat16))
+    return errors
+
+
+def run_late_sender(seed: int = 0) -> List[str]:
+    """Shrink mode, a rank masked while alive: rank 1 misses round 1 of ranks 0 and 2, whose waits for it time out
+    and mask it; they go on to round 2. Rank 1 then makes its round-1 calls late, between round 2's combine sends
+    and receives: its sends find ranks 0 and 2 ahead of it and must send them nothing (its round-1 combine would
+    otherwise store rows over those of round 2, which the late round-1 routes do not know), and it masks them.
+    Round 2 routes every slot of rank 0's tokens away from where round 1 sent them (round 1: all to rank 1's
+    experts; round 2: ranks 0 and 2's), so a late row would land on slots that round 2 reads."""
+    R, N, H, K, E = 3, 4, 256, 2, 6
+    e_loc = E // R
+    gen = generator(seed, "interpreted low-latency, late sender")
+    ranks = make_ranks(R, N, H, E, automatic=True)
+    shrink = [torch.zeros(R, dtype=torch.int32) for _ in range(R)]
+    errors: List[str] = []
+
+    def sources_to(owners_of_rank0: List[int]) -> List[M.Source]:
+        sources = make_sources(gen, R, N, H, K, E)
+        experts = torch.tensor([o * e_loc + i for o in owners_of_rank0 for i in range(e_loc)])
+        picks = torch.stack([torch.randperm(len(experts), generator=gen)[:K] for _ in range(N)])
+        sources[0] = M.Source(sources[0].x, experts[picks], sources[0].topk_weights)
+        return sources
+
+    def combine_sends(calling, sources, outs, expert_outputs, combined):
+        return [ranks[r].combine(expert_outputs[r], sources[r].topk_idx, sources[r].topk_weights, outs[r].src_info,
+                                 outs[r].layout_range, N, False, shrink[r], combined[r], None, 1, True)
+                for r in calling]
+
+    # round 0: everyone (no masks yet)
+    sources = make_sources(gen, R, N, H, K, E)
+    outs = dispatch_all(ranks, sources, [0, 1, 2], N, E, MODES[0], shrink)
+    combined = [torch.empty(src.x.shape[0], H, dtype=torch.bfloat16) for src in sources]
+    expert_outputs = [torch.randn(e_loc, R * N, H, generator=gen).to(torch.bfloat16) for _ in range(R)]
+    for step in combine_sends([0, 1, 2], sources, outs, expert_outputs, combined):
+        step()
+    # round 1 of ranks 0 and 2 (their dispatch receives mask rank 1 after 0.2 s); rank 1 makes its calls later
+    late_sources = sources_to([1])
+    late_sources[1] = M.Source(torch.randn(N, H, generator=gen).to(torch.bfloat16),
+                               torch.rand(N, E, generator=gen).topk(K, dim=1).indices, torch.rand(N, K, generator=gen))
+    outs = dispatch_all(ranks, late_sources, [0, 2], N, E, MODES[0], shrink)
+    late_outputs = [torch.randn(e_loc, R * N, H, generator=gen).to(torch.bfloat16) for _ in range(R)]
+    for step in combine_sends([0, 2], late_sources, outs, late_outputs, combined):
+        step()
+    # round 2 of ranks 0 and 2; rank 1's late round 1 between their combine's sends and receives
+    sources = sources_to([0, 2])
+    outs = dispatch_all(ranks, sources, [0, 2], N, E, MODES[0], shrink)
+    expert_outputs = [torch.randn(e_loc, R * N, H, generator=gen).to(torch.bfloat16) for _ in range(R)]
+    combined = [torch.full((src.x.shape[0], H), float("nan"), dtype=torch.bfloat16) for src in sources]
+    steps = combine_sends([0, 2], sources, outs, expert_outputs, combined)
+    late = dispatch_all(ranks, late_sources, [1], N, E, MODES[0], shrink)
+    late_combined = torch.empty(late_sources[1].x.shape[0], H, dtype=torch.bfloat16)
+    ranks[1].combine(late_outputs[1], late_sources[1].topk_idx, late_sources[1].topk_weights, late[1].src_info,
+                     late[1].layout_range, N, False, shrink[1], late_combined, None, 1, True)()
+    for step in steps:
+        step()
+    masks = [[int(g == 1 or r == 1) for g in range(R)] for r in range(R)]
+    regions = [M.dispatch_region(sources, g, E, masks) for g in range(R)]
+    rows = M.selection_rows(sources, regions)
+    for s in (0, 2):
+        expected = M.combine(s, sources[s].topk_idx, sources[s].topk_weights, rows[s], expert_outputs, e_loc, masks)
+        check(errors, f"late sender: rank {s}'s combine of round 2", combined[s], expected)
+    check(errors, "late sender: rank 1's shrink mask", shrink[1], torch.tensor([1, 0, 1], dtype=torch.int32))
+    check(errors, "late sender: rank 1's status (why it masked each rank)", ranks[1].status[4:],
+          torch.tensor([sync.MASKED_BY_PEER.value, 0, sync.MASKED_BY_PEER.value], dtype=torch.int32))
+    own = M.dispatch_region(late_sources, 1, E, [None, [1, 0, 1], None])   # rank 1 receives its own tokens only
+    check(errors, "late sender: rank 1's late recv_count", late[1].recv_count, own.count)
     return errors
 
 
@@ -205,5 +295,6 @@ if __name__ == "__main__":
     failures += run(3, N=8, H=256, K=4, E=12, rounds=2, masked=1, absent=True, automatic=True, seed=seed)
     failures += run_unwritten_route(seed)
     failures += run_too_many_rows(seed)
+    failures += run_late_sender(seed)
     print("ok" if not failures else "\n".join(failures[:20]), flush=True)
     sys.exit(1 if failures else 0)

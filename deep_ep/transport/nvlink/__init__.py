@@ -539,12 +539,16 @@ class NVLinkTransport(Transport):
         words = self._status_words
         masked = words[4:].nonzero()[0] if self.low_latency.auto_mask else ()   # (only shrink mode's waits mask)
         if len(masked):
-            from .sync import STATUS_WHAT
+            from .sync import MASKED_BY_PEER, STATUS_WHAT
             for peer in masked.tolist():
-                what = STATUS_WHAT.get(int(words[4 + peer]), "a signal")
+                code = int(words[4 + peer])
                 words[4 + peer] = 0
-                warn_caller(f"deep_ep: rank {self.topology.rank} masked rank {peer} after waiting more than "
-                            f"{self.timeout_ns / 1e9:g} s for {what} (enable_shrink)")
+                if code == MASKED_BY_PEER.value:
+                    why = "finding that it had gone on without this rank (it had masked this rank)"
+                else:
+                    why = (f"waiting more than {self.timeout_ns / 1e9:g} s for "
+                           f"{STATUS_WHAT.get(code, 'a signal')}")
+                warn_caller(f"deep_ep: rank {self.topology.rank} masked rank {peer} after {why} (enable_shrink)")
         if words[2]:
             from .sync import TOO_MANY_ROWS
             code, value = int(words[2]), int(words[3])

@@ -36,6 +36,7 @@ STATUS_WHAT = {1: "its dispatch counts (notify)", 2: "its rows",
                7: "it to finish reading the previous operation out of its buffer"}
 WAIT_LL_FREE = tl.constexpr(6)
 WAIT_FREE = tl.constexpr(7)
+MASKED_BY_PEER = tl.constexpr(8)   # (status[4 + rank] only: that rank had gone on without this one, wait_half_free)
 NO_PEER = tl.constexpr(1 << 30)
 STALE_NS = tl.constexpr(1_000_000)   # how long a wait runs before it also looks for an earlier timeout
 # a low-latency half's RECEIVED grows by this per call: every receive program adds its share (finish_receive),
@@ -76,10 +77,12 @@ def read_words(ptrs, where, other):
 def _spin(ptrs, targets, mask, timeout_ns, status_ptr, shrink_ptrs, SHRINK: tl.constexpr):
     """Spin until every counter `ptrs[i]` (where `mask`) is >= `targets[i]`, polling only the lanes still behind,
     until the timeout or an earlier timeout of the Buffer (status[0]); with SHRINK, a lane also stops once its
-    rank is masked at `shrink_ptrs[i]`. Returns (lanes given up on, waited, stale): waited[i] is the
-    nanoseconds from the start until lane i was seen ready; stale: it stopped for an earlier timeout."""
+    rank is masked at `shrink_ptrs[i]`. Returns (lanes given up on, waited, stale, seen): waited[i] is the
+    nanoseconds from the start until lane i was seen ready; stale: it stopped for an earlier timeout; seen[i]:
+    the last value read of `ptrs[i]` (0 where not `mask`)."""
     start = clock_ns()
     values = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    seen = tl.where(mask, values, 0)
     lagging = (mask & (values < targets)).to(tl.int32)
     masked = tl.zeros_like(lagging)
     waited = tl.where(mask, clock_ns() - start, 0)
@@ -88,6 +91,7 @@ def _spin(ptrs, targets, mask, timeout_ns, status_ptr, shrink_ptrs, SHRINK: tl.c
     waiting = tl.sum(lagging) > 0
     while waiting:
         values = tl.atomic_add(ptrs, 0, mask=lagging > 0, sem="acquire", scope="sys")
+        seen = tl.where(lagging > 0, values, seen)
         waited = tl.where(lagging > 0, clock_ns() - start, waited)
         lagging = tl.where(lagging > 0, (values < targets).to(tl.int32), 0)
         polls += 1
@@ -101,7 +105,7 @@ def _spin(ptrs, targets, mask, timeout_ns, status_ptr, shrink_ptrs, SHRINK: tl.c
                     lagging = tl.where(gone, 0, lagging)
         # (the clock is read afresh here: a clock value carried through the loop crashes the Triton 3.6 compiler)
         waiting = (tl.sum(lagging) > 0) & (stale == 0) & ~time_passed(start, timeout_ns)
-    return tl.maximum(lagging, masked), waited, stale
+    return tl.maximum(lagging, masked), waited, stale, seen
 
 
 @triton.jit
@@ -109,7 +113,7 @@ def wait_counters(ptrs, targets, mask, peers, timeout_ns, status_ptr, code):
     """Spin until every counter `ptrs[i]` (where `mask`) is >= `targets[i]`; returns (ok, waited): waited[i] is
     the nanoseconds from the start until lane i was seen ready. On timeout the first lagging lane's `peers[i]`
     is reported."""
-    lagging, waited, _ = _spin(ptrs, targets, mask, timeout_ns, status_ptr, ptrs, False)
+    lagging, waited, _, _ = _spin(ptrs, targets, mask, timeout_ns, status_ptr, ptrs, False)
     ok = tl.sum(lagging) == 0
     if not ok:
         report_timeout(status_ptr, code, tl.min(tl.where(lagging > 0, peers, NO_PEER)))
@@ -123,20 +127,27 @@ def wait_ranks(ptrs, targets, ranks, lanes, timeout_ns, status_ptr, code, mask_p
     AUTO_MASK as wait_counters. With AUTO_MASK (shrink mode) a rank given up on is masked in this call's mask
     (`mask_ptr`), in the Buffer's (`shrink_ptr`) and in status[4 + rank] (= `code`, for the host's warning),
     and the wait succeeds without it; after an earlier timeout of the Buffer (status[0]) it fails instead.
-    Returns (ranks still open, ok, waited)."""
-    lagging, waited, stale = _spin(ptrs, targets, ranks, timeout_ns, status_ptr, shrink_ptr + lanes, AUTO_MASK)
+    Returns (ranks still open, ok, waited, seen) (_spin's waited and seen)."""
+    lagging, waited, stale, seen = _spin(ptrs, targets, ranks, timeout_ns, status_ptr, shrink_ptr + lanes, AUTO_MASK)
     gone = lagging > 0
     ok = tl.sum(lagging) == 0
     if AUTO_MASK:
         gone = gone & (stale == 0)
-        tl.atomic_xchg(mask_ptr + lanes, 1, mask=gone, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(shrink_ptr + lanes, 1, mask=gone, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(status_ptr + 4 + lanes, code, mask=gone, sem="relaxed", scope="sys")
+        mask_ranks(gone, lanes, code, mask_ptr, shrink_ptr, status_ptr)
         ranks = ranks & ~gone
         ok = stale == 0
     elif not ok:
         report_timeout(status_ptr, code, tl.min(tl.where(gone, lanes, NO_PEER)))
-    return ranks, ok, waited
+    return ranks, ok, waited, seen
+
+
+@triton.jit
+def mask_ranks(gone, lanes, code, mask_ptr, shrink_ptr, status_ptr):
+    """Shrink mode: mask the ranks `gone` (lane i: rank i) in this call's mask, in the Buffer's (later calls skip
+    them) and in status[4 + rank] (= `code`, for the host's warning)."""
+    tl.atomic_xchg(mask_ptr + lanes, 1, mask=gone, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(shrink_ptr + lanes, 1, mask=gone, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(status_ptr + 4 + lanes, code, mask=gone, sem="relaxed", scope="sys")
 
 
 @triton.jit
@@ -235,8 +246,8 @@ def wait_for_senders(arrived_ptr, received_ptr, mask_ptr, shrink_ptr, stats_ptr,
     lanes = tl.arange(0, BLOCK_R)
     received = calls_received(received_ptr)
     sources = open_ranks(mask_ptr, lanes, R, HAS_MASK)
-    still_open, ok, waited = wait_ranks(arrived_ptr + lanes, (received + 1) * num_senders, sources, lanes,
-                                        timeout_ns, status_ptr, code, mask_ptr, shrink_ptr, AUTO_MASK)
+    still_open, ok, waited, _ = wait_ranks(arrived_ptr + lanes, (received + 1) * num_senders, sources, lanes,
+                                           timeout_ns, status_ptr, code, mask_ptr, shrink_ptr, AUTO_MASK)
     if HAS_STATS:
         if tl.program_id(0) == 0:
             tl.atomic_add(stats_ptr + lanes, waited, mask=sources, sem="relaxed")
@@ -301,20 +312,32 @@ def begin_send(bases_ptr, mask_ptr, shrink_ptr, rank, received_offset, lanes, se
     ranks, ok, every rank's buffer address where open)."""
     ranks = open_ranks(mask_ptr, lanes, R, HAS_MASK) & sending
     return wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, status_ptr, mask_ptr,
-                          shrink_ptr, AUTO_MASK)
+                          shrink_ptr, HAS_MASK, AUTO_MASK)
 
 
 @triton.jit
 def wait_half_free(bases_ptr, rank, received_offset, ranks, lanes, timeout_ns, status_ptr, mask_ptr, shrink_ptr,
-                   AUTO_MASK: tl.constexpr):
+                   HAS_MASK: tl.constexpr, AUTO_MASK: tl.constexpr):
     """Before a low-latency send into a buffer half: wait until every rank in `ranks` has received as many
     calls on this half as this rank has (RECEIVED at `received_offset` of each buffer), so nothing it has not
-    read yet is overwritten. Returns (ranks still open, ok, bases) (wait_ranks; bases: the buffer addresses of
-    `ranks`)."""
+    read yet is overwritten. With a shrink mask, a rank that has received more (some of this call, or later
+    ones) went on without this rank: it masked this rank (by hand, or after its wait for it timed out), and
+    its half may hold a later call's rows, so nothing is sent to it (AUTO_MASK: it is masked here too, and
+    the receive does not wait for it). Returns (ranks still open, ok, bases) (wait_ranks; bases: the buffer
+    addresses of `ranks`)."""
     own = calls_received((tl.load(bases_ptr + rank) + received_offset).to(tl.pointer_type(tl.int64))) * RECEIVED_UNIT
     bases = tl.load(bases_ptr + lanes, mask=ranks, other=0)
-    ranks, ok, _ = wait_ranks((bases + received_offset).to(tl.pointer_type(tl.int64)), own, ranks, lanes, timeout_ns,
-                              status_ptr, WAIT_LL_FREE, mask_ptr, shrink_ptr, AUTO_MASK)
+    counters = (bases + received_offset).to(tl.pointer_type(tl.int64))
+    ranks, ok, waited, seen = wait_ranks(counters, own, ranks, lanes, timeout_ns, status_ptr, WAIT_LL_FREE, mask_ptr,
+                                         shrink_ptr, AUTO_MASK)
+    if HAS_MASK:
+        # after a long wait for some rank, the others are looked at again: one may have gone on meanwhile
+        if cta_any(tl.max(waited) > STALE_NS):
+            seen = tl.where(ranks, tl.atomic_add(counters, 0, mask=ranks, sem="acquire", scope="sys"), seen)
+        ahead = ranks & (seen > own) & (lanes != rank)
+        if AUTO_MASK:
+            mask_ranks(ahead, lanes, MASKED_BY_PEER, mask_ptr, shrink_ptr, status_ptr)
+        ranks = ranks & ~ahead
     tl.debug_barrier()   # every thread's stores into the half come after the acquiring loads
     return ranks, ok, bases
 
