@@ -6,7 +6,10 @@ The area is the Buffer's `num_rdma_bytes`, laid out as config.LowLatencyLayout s
 their meaning. Inside a half: the signal area holds ARRIVED (R int64) and RECEIVED (int64); the receive
 area holds MASKS, then SLOTS (dispatch) or ROWS (combine), which share the space because a half serves
 one call at a time, and a sender waits until every destination has received the previous call on the
-half. The send areas are only read (zero-copy combine input).
+half. The send areas are only read (zero-copy combine input). DeepEP sizes the signal area from the expert
+count (4 bytes each, rounded up to 128); where that is too small for the counters (16 ranks or more with at
+most 2 experts per rank), both halves' counters sit at the end of the area instead, a place that does not
+depend on the call's shape either, and the last receive area's use stops short of them.
 
 Nothing waits on the host, so dispatch and combine can be captured in a CUDA graph. With a receive hook a
 call is two kernel launches: a send kernel that returns at once, and the receive kernel, which the hook
@@ -106,18 +109,27 @@ def _chain_launches(device: torch.device) -> bool:
 
 
 class _Geometry:
-    """Where a call's areas sit in a half, for (N, hidden, num_experts) and this group."""
+    """Where a call's areas sit in a half, for (N, hidden, num_experts), this group and an area of `area_bytes`."""
 
-    def __init__(self, num_ranks: int, num_max_tokens: int, hidden: int, num_experts: int, half: int) -> None:
+    def __init__(self, num_ranks: int, num_max_tokens: int, hidden: int, num_experts: int, half: int,
+                 area_bytes: int) -> None:
         layout = LowLatencyLayout(num_max_tokens, hidden, num_experts)
         self.layout = layout
-        self.signal = layout.signal_offset(half)
+        self.counter_bytes = 8 * num_ranks + 8
+        self.masks = layout.recv_offset(half)
+        end = self.masks + layout.recv_bytes
+        if self.counter_bytes <= layout.signal_bytes:
+            self.signal = layout.signal_offset(half)
+        else:   # (module docstring)
+            stride = _round_up(self.counter_bytes, 16)
+            top = (area_bytes - 2 * stride) // 16 * 16
+            self.signal = top + half * stride
+            end = min(end, top)
         self.arrived = self.signal                        # ARRIVED[R] int64
         self.received = self.signal + 8 * num_ranks       # RECEIVED int64
-        self.masks = layout.recv_offset(half)
         self.masks_bytes = _round_up(num_experts * num_max_tokens * 4, 16)
         self.data = self.masks + self.masks_bytes
-        self.data_bytes = layout.recv_bytes - self.masks_bytes
+        self.data_bytes = end - self.data
 
 
 class NVLinkLowLatency:
@@ -172,12 +184,16 @@ class NVLinkLowLatency:
         """`num_bytes` of the local area from `offset` (16-byte aligned) as `dtype`."""
         return self.area[offset:offset + num_bytes].view(dtype)
 
+    def half_geometry(self, num_max_tokens: int, hidden: int, num_experts: int, half: int) -> _Geometry:
+        """Where the areas of buffer half `half` sit for calls of this shape."""
+        return _Geometry(self.topology.num_ranks, num_max_tokens, hidden, num_experts, half, self.area.numel())
+
     def _geometry(self, num_max_tokens: int, hidden: int, num_experts: int, half: int, data_bytes: int,
                   what: str) -> _Geometry:
-        R = self.topology.num_ranks
-        geometry = _Geometry(R, num_max_tokens, hidden, num_experts, half)
-        if 8 * R + 8 > geometry.layout.signal_bytes or data_bytes > geometry.data_bytes:
-            need = 2 * (geometry.layout.signal_bytes + geometry.layout.send_bytes + geometry.masks_bytes + data_bytes)
+        geometry = self.half_geometry(num_max_tokens, hidden, num_experts, half)
+        if data_bytes > geometry.data_bytes:
+            need = 2 * (geometry.layout.signal_bytes + geometry.layout.send_bytes + geometry.masks_bytes + data_bytes
+                        + geometry.counter_bytes)
             raise ValueError(f"{what}: num_rdma_bytes={self.area.numel()} leaves too little room for the NVLink "
                              f"low-latency path with N={num_max_tokens}, hidden={hidden}, num_experts={num_experts} "
                              f"and this top-k: need about {need} bytes")
@@ -372,10 +388,9 @@ class NVLinkLowLatency:
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def clean(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
         """Zero both halves' counters and slot bits and the receive counts (every rank, between barriers)."""
-        R = self.topology.num_ranks
         for half in (0, 1):
-            geometry = _Geometry(R, num_max_tokens, hidden, num_experts, half)
-            self.area[geometry.signal:geometry.signal + 8 * R + 8].zero_()
+            geometry = self.half_geometry(num_max_tokens, hidden, num_experts, half)
+            self.area[geometry.signal:geometry.signal + geometry.counter_bytes].zero_()
             self.area[geometry.masks:geometry.masks + geometry.masks_bytes].zero_()
         if self.area.is_cuda:
             torch.cuda.synchronize(self.device)
