@@ -72,6 +72,17 @@ def _record_max(num_ranks: int) -> int:
     return 2 + num_ranks + MAX_EXPERTS_PER_RANK + CMAX   # see notify.py
 
 
+def control_words(num_ranks: int) -> Dict[str, int]:
+    """Where the counters and records sit in the NVLink buffer's header, in 8-byte words (ring_word: where the
+    rings start, in 4-byte words); the same in every rank's buffer."""
+    R = num_ranks
+    arrive_word = R + 4 * R * CMAX
+    done_word = arrive_word + 2 * R * CMAX
+    return dict(notify_word=0, tail_word=R, head_word=R + R * CMAX, sent_word=R + 2 * R * CMAX,
+                recvd_word=R + 3 * R * CMAX, arrive_word=arrive_word, done_word=done_word, ops_word=done_word + R,
+                ticket_word=done_word + R + 1, record_word=_ctrl_bytes(R) // 4, ring_word=header_bytes(R) // 4)
+
+
 def header_bytes(num_ranks: int) -> int:
     """Bytes of the NVLink buffer before the rings: counters and notify records."""
     return _round_up(_ctrl_bytes(num_ranks) + 2 * num_ranks * _record_max(num_ranks) * 4, _ALIGN)
@@ -124,14 +135,9 @@ class NVLinkTransport(Transport):
                 setattr(self, name, getattr(self.reference, name))
         self.checks_values_on_device = self.graph_capturable = self.has_rings
         R = topology.num_ranks
-        self.notify_word, self.tail_word = 0, R
-        self.head_word, self.sent_word, self.recvd_word = R + R * CMAX, R + 2 * R * CMAX, R + 3 * R * CMAX
-        self.arrive_word = R + 4 * R * CMAX
-        self.done_word = self.arrive_word + 2 * R * CMAX
-        self.ops_word, self.ticket_word = self.done_word + R, self.done_word + R + 1
-        self.record_word = _ctrl_bytes(R) // 4
+        for name, word in control_words(R).items():   # (self.tail_word, self.head_word, ..., self.ring_word)
+            setattr(self, name, word)
         self.record_max = _record_max(R)
-        self.ring_word = header_bytes(R) // 4
         # [counters and records | rings]: the rings are the `num_nvl_bytes` users see (get_local_buffer_tensor);
         # what they write there only meets rows in transit, never the counters
         memory = torch.empty(self.ring_word * 4 + _round_up(num_nvl_bytes, 16), dtype=torch.uint8, device=device)

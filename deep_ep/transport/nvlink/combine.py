@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .intrinsics import clock_ns, to_bf16
 from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, begin_operation, channel_tokens, end_operation, lane, peer_view,
-                   publish, report_timeout, time_passed, wait_at_least)
+                   gave_up, publish, report_timeout, wait_at_least)
 
 
 @triton.jit
@@ -119,6 +119,7 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
         remaining = tl.sum(count)
         failed = ok == 0
         start = clock_ns()
+        idle = tl.zeros([], tl.int32)
         while (remaining > 0) & (failed == 0):
             open_ = peers & (sent < count)
             heads = tl.atomic_add(head_ptrs, 0, mask=open_, sem="acquire", scope="sys")
@@ -145,9 +146,12 @@ def combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_count_ptr, 
                 publish(tail_ptrs, sent0 + sent, peers)
                 remaining = tl.sum(count - sent)
                 start = clock_ns()
-            elif time_passed(start, timeout_ns):
-                report_timeout(status_ptr, WAIT_SPACE, tl.min(tl.where(open_, ro, NO_PEER)))
-                failed = remaining > 0
+                idle = tl.zeros([], tl.int32)
+            else:
+                idle += 1
+                if gave_up(start, idle, timeout_ns, status_ptr):
+                    report_timeout(status_ptr, WAIT_SPACE, tl.min(tl.where(open_, ro, NO_PEER)))
+                    failed = remaining > 0
         tl.store(ctrl + sent_word + ro * CMAX + q, sent0 + count, mask=peers)
     else:
         # ---- reducer of channel q ---------------------------------------------------------------------------

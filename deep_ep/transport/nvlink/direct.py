@@ -44,12 +44,9 @@ import triton.language as tl
 
 from .combine import reduce_tokens, store_combine_slots
 from .dispatch import load_slots, push_tokens, store_outputs
-from .intrinsics import clock_ns, cta_any
-from .sync import (NO_PEER, STALE_NS, WAIT_ROWS, begin_operation, channel_tokens, end_operation, lane, peer_view,
-                   publish, report_timeout, time_passed)
-
-IDLE_POLLS = tl.constexpr(256)   # looks at the arrivals without progress between two looks at the clock
-
+from .intrinsics import clock_ns
+from .sync import (NO_PEER, WAIT_ROWS, begin_operation, channel_tokens, end_operation, gave_up, lane, peer_view,
+                   publish, report_timeout)
 
 @triton.jit
 def half_channel(q, half, num_tokens, C):
@@ -64,18 +61,6 @@ def half_rows(counts, half):
     """The rows [lo, hi) of half `half` of `counts` rows (per lane; the first half takes the extra row)."""
     middle = (counts + 1) // 2
     return tl.where(half == 0, 0, middle), tl.where(half == 0, middle, counts)
-
-
-@triton.jit
-def gave_up(start, idle, timeout_ns, status_ptr):
-    """Whether a program that has polled `idle` times without progress since `start` (a clock_ns reading) stops
-    waiting: every IDLE_POLLS-th poll, once STALE_NS have passed, if `timeout_ns` have or an earlier wait of the
-    Buffer timed out (status[0]), as sync's waits do. The same answer in every thread."""
-    stop = idle < 0
-    if idle % IDLE_POLLS == 0:
-        if time_passed(start, STALE_NS):
-            stop = cta_any(tl.load(status_ptr, volatile=True)) | time_passed(start, timeout_ns)
-    return stop
 
 
 @triton.jit

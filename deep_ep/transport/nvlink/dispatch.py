@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .intrinsics import clock_ns
 from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, begin_operation, channel_tokens, end_operation, lane, peer_view,
-                   publish, report_timeout, row_pointers, time_passed, wait_at_least)
+                   gave_up, publish, report_timeout, row_pointers, wait_at_least)
 
 OWN_STEP = tl.constexpr(4)   # tiles of own tokens a receiver copies between two looks at its rings
 
@@ -204,6 +204,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
             own_end = own_next
         self_row0 = tl.load(prefix_ptr + rank)
         start = clock_ns()
+        idle = tl.zeros([], tl.int32)
         while ((remaining > 0) | (own_next < own_end)) & (failed == 0):
             open_ = peers & (taken < count)
             tails = tl.atomic_add(tail_ptrs, 0, mask=open_, sem="acquire", scope="sys")
@@ -229,6 +230,7 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                 publish(head_ptrs, recvd0 + taken, peers)
                 remaining = tl.sum(count - taken)
                 start = clock_ns()
+                idle = tl.zeros([], tl.int32)
             elif own_next < own_end:
                 for first_token in range(own_next, tl.minimum(own_next + OWN_STEP * ROWS, own_end), ROWS):
                     tokens = first_token + to
@@ -243,9 +245,12 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                                    experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
                 own_next = tl.minimum(own_next + OWN_STEP * ROWS, own_end)
                 start = clock_ns()
-            elif time_passed(start, timeout_ns):
-                report_timeout(status_ptr, WAIT_ROWS, tl.min(tl.where(open_, ro, NO_PEER)))
-                failed = remaining > 0
+                idle = tl.zeros([], tl.int32)
+            else:
+                idle += 1
+                if gave_up(start, idle, timeout_ns, status_ptr):
+                    report_timeout(status_ptr, WAIT_ROWS, tl.min(tl.where(open_, ro, NO_PEER)))
+                    failed = remaining > 0
         tl.store(ctrl + recvd_word + ro * CMAX + q, recvd0 + count, mask=peers)
         # rows past the received ones (num_worst_tokens): no expert, no source token
         for row in range(tl.load(prefix_ptr + R) + q, num_rows, C):

@@ -39,6 +39,7 @@ WAIT_FREE = tl.constexpr(7)
 MASKED_BY_PEER = tl.constexpr(8)   # (status[4 + rank] only: that rank had gone on without this one, wait_half_free)
 NO_PEER = tl.constexpr(1 << 30)
 STALE_NS = tl.constexpr(1_000_000)   # how long a wait runs before it also looks for an earlier timeout
+IDLE_POLLS = tl.constexpr(256)   # polls without progress between two looks at the clock (gave_up)
 # a low-latency half's RECEIVED grows by this per call: every receive program adds its share (finish_receive),
 # and readers count the calls as RECEIVED // RECEIVED_UNIT (a call whose programs have not all added counts
 # as not received). Every share must be at least 1 (a program that added nothing could read its own call as
@@ -63,6 +64,18 @@ def time_passed(start, limit_ns):
     """Whether more than `limit_ns` have passed since `start` (a clock_ns reading), the same answer in every
     thread of the program (each reads the clock for itself)."""
     return cta_any(clock_ns() - start > limit_ns)
+
+
+@triton.jit
+def gave_up(start, idle, timeout_ns, status_ptr):
+    """Whether a program that has polled `idle` times without progress since `start` (a clock_ns reading) stops
+    waiting: every IDLE_POLLS-th poll, once STALE_NS have passed, if `timeout_ns` have or an earlier wait of the
+    Buffer timed out (status[0]), as _spin does. The same answer in every thread."""
+    stop = idle < 0
+    if idle % IDLE_POLLS == 0:
+        if time_passed(start, STALE_NS):
+            stop = cta_any(tl.load(status_ptr, volatile=True)) | time_passed(start, timeout_ns)
+    return stop
 
 
 @triton.jit
