@@ -78,9 +78,11 @@ class CommStream:
         `validate` checks input values first, on the comm stream once it has waited: inputs produced by an
         earlier asynchronous call are only complete from there.
 
-        Outputs are allocated on the comm stream and marked as used by the calling stream. With
-        `async_finish` the caller's stream does not wait and the returned overlap holds the event;
-        otherwise the caller's stream waits and the overlap's event is None."""
+        Outputs are allocated on the comm stream and marked as used by the calling stream (also inside a
+        CUDA-graph capture, where the allocator then keeps a freed output's memory for the rest of the capture,
+        so that a later call of the capture, ordered only after an earlier event, cannot get it while the
+        caller's stream still reads it). With `async_finish` the caller's stream does not wait and the returned
+        overlap holds the event; otherwise the caller's stream waits and the overlap's event is None."""
         if self.stream is None:
             if validate is not None:
                 validate()
@@ -98,23 +100,20 @@ class CommStream:
             if validate is not None:
                 validate()
             result = fn()
-            capturing = torch._C._cuda_isCurrentStreamCapturing()
         finally:
             torch._C._cuda_setStream(*compute_id)
             if caller_device != self.device_index:
                 torch._C._cuda_setDevice(caller_device)
         outputs = flatten_tensors(result if isinstance(result, (tuple, list)) else (result,))
-        if not capturing:
-            for tensor in outputs:
-                if tensor.is_cuda:
-                    tensor.record_stream(compute)
+        for tensor in outputs:
+            if tensor.is_cuda:
+                tensor.record_stream(compute)
         if not async_finish:
             _record(self._call_done, self.stream)
             _wait(self._call_done, compute)
             return result, EventOverlap(None)
         event = EventHandle(self.stream)
-        if not capturing:
-            for tensor in flatten_tensors(inputs):
-                if tensor.is_cuda:
-                    tensor.record_stream(self.stream)
+        for tensor in flatten_tensors(inputs):
+            if tensor.is_cuda:
+                tensor.record_stream(self.stream)
         return result, EventOverlap(event, extra_tensors=tuple(flatten_tensors(inputs)) + tuple(outputs))

@@ -172,6 +172,7 @@ class NVLinkTransport(Transport):
             self.low_latency_checks_values_on_device = self.low_latency_graph_capturable = True
             self.low_latency_dispatch = self.low_latency.dispatch
             self.low_latency_combine = self.low_latency.combine
+        torch.cuda.synchronize(device)   # (the zeroed tensors above are complete before a call on any stream)
         group.barrier("NVLink transport set-up")
 
     # ---- bookkeeping -------------------------------------------------------------------------------

@@ -161,7 +161,8 @@ class NVLinkLowLatency:
         # the launch arguments of the send and receive kernels for programmatic dependent launch (PDL)
         self._chained = (dict(PDL=True, launch_pdl=True) if area.is_cuda and _chain_launches(area.device)
                          else dict(PDL=False))
-        self._routes: Dict[int, Tuple[torch.Tensor, int]] = {}   # id(src_info) -> (route, top-k)
+        # id(src_info) -> (route, top-k, the raw stream route was allocated on)
+        self._routes: Dict[int, Tuple[torch.Tensor, int, int]] = {}
         self._plans: Dict[tuple, dict] = {}   # launch arguments per call shape (_dispatch_plan, _combine_plan)
         # stand-ins for optional pointer arguments (never read)
         self._no_words = torch.zeros(4, dtype=torch.int32, device=area.device)
@@ -302,8 +303,11 @@ class NVLinkLowLatency:
 
     def _remember(self, src_info: torch.Tensor, route: torch.Tensor, topk: int) -> None:
         key = id(src_info)
-        self._routes[key] = (route, topk)
+        self._routes[key] = (route, topk, self._raw_stream())
         weakref.finalize(src_info, self._routes.pop, key, None)
+
+    def _raw_stream(self) -> int:
+        return torch._C._cuda_getCurrentRawStream(self.device.index) if self.area.is_cuda else 0
 
     # ---- combine ----------------------------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
@@ -315,10 +319,12 @@ class NVLinkLowLatency:
         if known is None:
             raise ValueError("handle: pass the handle returned by a low_latency_dispatch of this Buffer (its "
                              "routes are kept with it)")
-        route, dispatch_topk = known
+        route, dispatch_topk, route_stream = known
         if topk != dispatch_topk:
             raise ValueError(f"topk_idx must have the top-k of the matching low_latency_dispatch ({dispatch_topk} "
                              f"columns), got {topk}")
+        if route_stream != self._raw_stream():   # its memory must outlive this combine's kernels on this stream
+            route.record_stream(torch.cuda.current_stream(self.device))
         strides = x.stride()
         # without a hook the receive runs right after the send, so it can read this rank's own rows from x (with a
         # hook the caller may change x before calling it; LogFMT rounds rows in the send)
