@@ -48,6 +48,7 @@ from .intrinsics import clock_ns
 from .sync import (NO_PEER, WAIT_ROWS, begin_operation, channel_tokens, end_operation, gave_up, lane, peer_view,
                    publish, report_timeout)
 
+
 @triton.jit
 def half_channel(q, half, num_tokens, C):
     """The tokens [first, end) of half `half` of channel q (the first half takes the extra token)."""
