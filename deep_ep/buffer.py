@@ -20,6 +20,7 @@ from .transport.base import LowLatencyOptions
 from .utils import EventHandle, EventOverlap, check_nvlink_connections
 
 DEFAULT_TIMEOUT_S = 100.0
+MAX_TIMEOUT_S = 1e6   # (about 11 days; the GPU's waits count nanoseconds in 64 bits)
 MAX_TOPK = 32
 MAX_EXPERTS_PER_RANK = 1024
 
@@ -34,6 +35,21 @@ def _capturing(device: torch.device) -> bool:
         return torch._C._cuda_isCurrentStreamCapturing()
     with torch.cuda.device(device):
         return torch._C._cuda_isCurrentStreamCapturing()
+
+
+def _timeout_setting(timeout_s: Optional[float]) -> float:
+    """`timeout_s`, else $DEEP_EP_TIMEOUT_S, else the default; ValueError naming the setting unless it is a number
+    of seconds in (0, MAX_TIMEOUT_S]."""
+    name = "timeout_s"
+    if timeout_s is None:
+        name, setting = "$DEEP_EP_TIMEOUT_S", os.environ.get("DEEP_EP_TIMEOUT_S")
+        try:
+            timeout_s = DEFAULT_TIMEOUT_S if setting is None else float(setting)
+        except ValueError:
+            raise ValueError(f"{name} must be a number of seconds, got {setting!r}") from None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"{name} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
+    return float(timeout_s)
 
 
 def _refuse_capture(device: torch.device, what: str, reason: str) -> None:
@@ -111,10 +127,7 @@ class Buffer:
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0, multiple_of=128)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0, multiple_of=128)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1 if low_latency_mode else 0)
-        if timeout_s is None:
-            timeout_s = float(os.environ.get("DEEP_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        timeout_s = _timeout_setting(timeout_s)
         requested_transport = transport_name(transport)
         self._group = Group(group, comm, timeout_s)
         self.group = group if group is not None else comm
@@ -202,10 +215,9 @@ class Buffer:
         self._slots.reset("destroy()")
         # after a failed collective or a timeout the ranks are out of step: release locally, without waiting
         # for the GPU (a collective that never finishes may hold it) or for the other ranks
-        broken = self._group.broken
         try:
-            self._transport.destroy(wait_for_gpu=not broken)
-            if not broken:
+            self._transport.destroy(wait_for_gpu=not self._group.broken)
+            if not self._group.broken:   # (also a GPU wait that timed out after the last call)
                 if self._group.roll_call is not None:
                     self._group.gather_at_destroy(self._mask)
                 else:
@@ -373,7 +385,6 @@ class Buffer:
             self._check_nvl_capacity("dispatch", config, self._dispatch_row_bytes(data, scales, None))
             run = lambda: self._transport.cached_dispatch(data, scales, handle, num_channels)  # noqa: E731
             inputs: tuple = (data, scales, handle)
-            validate = None
         else:
             num_experts = self._check_layout_args(num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                                   is_token_in_rank, num_tokens_per_expert)
@@ -387,20 +398,20 @@ class Buffer:
             check_int("num_worst_tokens", num_worst_tokens, minimum=0)
             self._check_nvl_capacity("dispatch", config, self._dispatch_row_bytes(data, scales, topk_idx),
                                      num_experts)
-            run = lambda: self._transport.dispatch(  # noqa: E731
-                data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                expert_alignment, num_worst_tokens, num_channels)
-            inputs = (data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                      num_tokens_per_expert)
 
-            def check_values() -> None:
+            def check_values() -> None:   # (run by the transport on the comm stream, once it has waited)
                 if topk_idx is not None:
                     check_expert_ids("topk_idx", topk_idx, num_experts)
                 if not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
                     raise ValueError("num_tokens_per_rank must equal the column sums of is_token_in_rank "
                                      "(pass the outputs of one get_dispatch_layout call)")
-            validate = None if self._transport.checks_values_on_device else check_values
-        out, event = self._comm_stream.run(run, inputs, previous_event, async_finish, validate)
+            run = lambda: self._transport.dispatch(  # noqa: E731
+                data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                expert_alignment, num_worst_tokens, num_channels,
+                check_values=None if self._transport.checks_values_on_device else check_values)
+            inputs = (data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                      num_tokens_per_expert)
+        out, event = self._comm_stream.run(run, inputs, previous_event, async_finish)
         recv_x = (out.recv_x, out.recv_scales) if scales is not None else out.recv_x
         if handle is not None:
             return recv_x, None, None, None, None, event
@@ -488,6 +499,7 @@ class Buffer:
         self._receive_streams = [None, None]   # (the clean waits for the GPU: nothing earlier is left to order)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # nothing of this rank in flight once the barrier passes
+        self._transport.check_low_latency_errors()   # (a GPU wait that timed out names its peer, not the barrier)
         if self._group.roll_call is not None:   # shrink mode: ranks that do not come are masked
             self._group.clean_roll_call(self._mask)
             self._transport.clean_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -530,8 +542,7 @@ class Buffer:
         num_tokens, hidden = self._check_low_latency_x(x, num_max_dispatch_tokens_per_rank)
         self._check_low_latency_flags(async_finish, return_recv_hook)
         experts_per_rank = self._check_num_experts(num_experts)
-        self._check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens,
-                             values=not self._transport.low_latency_checks_values_on_device)
+        self._check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens)
         if use_fp8 and hidden % 8:
             raise ValueError(f"x: hidden size must be a multiple of 8 for FP8, got {hidden}")
         if use_fp8 and use_ue8m0 and not round_scale:   # (BF16 ignores both, as in DeepEP)
@@ -542,13 +553,16 @@ class Buffer:
         self._check_wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
         self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._transport.check_low_latency_errors()
-        half = self._slots.acquire("low_latency_dispatch")
+        half = self._slots.next_free("low_latency_dispatch")
         options = LowLatencyOptions(use_fp8, round_scale, use_ue8m0)
+        check_values = self._low_latency_check_values(topk_idx, num_experts)
 
         def launch():
-            return self._transport.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                                        options, self._mask, dispatch_wait_recv_cost_stats, half,
-                                                        return_recv_hook)
+            result = self._transport.low_latency_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, options, self._mask,
+                dispatch_wait_recv_cost_stats, half, return_recv_hook, check_values=check_values)
+            self._slots.take(half)   # (a call refused before it sent leaves the halves as they were)
+            return result
 
         def finish(out):
             if cumulative_local_expert_recv_stats is not None:
@@ -605,8 +619,6 @@ class Buffer:
         if num_tokens > num_max_tokens:
             raise ValueError(f"topk_idx: at most num_max_dispatch_tokens_per_rank={num_max_tokens} rows, got {num_tokens}")
         check_tensor("topk_weights", topk_weights, device=self.device, dtype=torch.float32, shape=tuple(topk_idx.shape))
-        if not self._transport.low_latency_checks_values_on_device:
-            check_expert_ids("topk_idx", topk_idx, num_experts)
         if out is not None:
             check_tensor("out", out, device=self.device, dtype=torch.bfloat16, shape=(num_tokens, hidden))
         self._check_wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
@@ -614,13 +626,16 @@ class Buffer:
         source = self._combine_send_view(self._slots.next_half, experts_per_rank, num_max_tokens, hidden) \
             if zero_copy else x
         self._transport.check_low_latency_errors()
-        half = self._slots.acquire("low_latency_combine")
+        half = self._slots.next_free("low_latency_combine")
         result = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
+        check_values = self._low_latency_check_values(topk_idx, num_experts)
 
         def launch():
             receive = self._transport.low_latency_combine(source, topk_idx, topk_weights, src_info, layout_range,
                                                           num_max_tokens, use_logfmt, self._mask, result,
-                                                          combine_wait_recv_cost_stats, half, return_recv_hook)
+                                                          combine_wait_recv_cost_stats, half, return_recv_hook,
+                                                          check_values=check_values)
+            self._slots.take(half)
             return result, receive
 
         _, event, hook = self._run_low_latency(launch, None, half, "low_latency_combine", async_finish,
@@ -758,6 +773,12 @@ class Buffer:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for low-latency calls with N="
                              f"{num_max_tokens}, hidden={hidden}, num_experts={num_experts}: need >= {needed} "
                              "(Buffer.get_low_latency_rdma_size_hint)")
+
+    def _low_latency_check_values(self, topk_idx: torch.Tensor, num_experts: int) -> Optional[Callable[[], None]]:
+        """The expert-id check the transport runs before its first exchange, unless its kernels check them."""
+        if self._transport.low_latency_checks_values_on_device:
+            return None
+        return lambda: check_expert_ids("topk_idx", topk_idx, num_experts)
 
     def _check_low_latency_handle(self, handle) -> Tuple[torch.Tensor, torch.Tensor, int, int, int]:
         if not isinstance(handle, (tuple, list)) or len(handle) != 5:

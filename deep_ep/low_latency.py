@@ -1,6 +1,7 @@
 """Bookkeeping of low-latency calls: the two buffer halves and their pending receive hooks."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable, List, Optional
 
@@ -23,15 +24,15 @@ class ReceiveHook:
         """True until the receive has finished (a hook still running holds its buffer half)."""
         return not self._done and self._stale is None
 
-    def discard(self, by: str) -> bool:
-        """The buffer was cleaned or destroyed (`by`): calling this hook afterwards is an error. Returns False
-        (and discards nothing) while the hook runs."""
-        with self._lock:
-            if self._started and not self._done:
-                return False
-            self._stale = by
-            self._release()
-            return True
+    @property
+    def running(self) -> bool:
+        """Called and not yet returned (on another thread)."""
+        return self._started and not self._done
+
+    def describe(self) -> str:
+        state = "is still running (on another thread); wait for it to return" if self.running else \
+            "has not been called; call it"
+        return f"the receive hook of {self._name} {state}"
 
     def __call__(self) -> None:
         check = self._check   # (read once: another thread may release it)
@@ -74,17 +75,21 @@ class LowLatencySlots:
     def _check_next(self, name: str) -> None:
         waiting = self._pending[self.next_half]
         if waiting is not None and waiting.pending:
-            raise RuntimeError(f"{name}: the low-latency call two calls ago still has an un-run receive hook; "
-                               "at most two low-latency results may be pending: call its hook first (or, on every "
-                               "rank, clean_low_latency_buffer() to discard it)")
+            raise RuntimeError(f"{name}: at most two low-latency results may be pending, and {waiting.describe()} "
+                               "first (or, on every rank, clean_low_latency_buffer() to discard it)")
 
-    def acquire(self, name: str) -> int:
+    def next_free(self, name: str) -> int:
+        """The half the next call uses (raises if it may not start yet); `take` it once the call has sent."""
         with self._lock:
             self._check_next(name)
-            half = self.next_half
+            return self.next_half
+
+    def take(self, half: int) -> None:
+        """A call has started on `half` (from `next_free`): the next call uses the other half."""
+        with self._lock:
+            assert half == self.next_half, "low-latency calls of one Buffer were made on two threads at once"
             self._pending[half] = None
             self.next_half ^= 1
-            return half
 
     def hold(self, half: int, hook: ReceiveHook) -> None:
         with self._lock:
@@ -96,11 +101,18 @@ class LowLatencySlots:
             return any(hook is not None and hook.pending and hook.output is output for hook in self._pending)
 
     def reset(self, by: str) -> None:
-        """Back to the first half; hooks not yet run are discarded (by `by`). Refused while a hook runs."""
+        """Back to the first half; hooks not yet run are discarded (by `by`). Refused, discarding nothing, while a
+        hook runs."""
         with self._lock:
-            for hook in self._pending:
-                if hook is not None and not hook.discard(by):
-                    raise RuntimeError(f"{by}: a receive hook is still running (on another thread); wait for it "
-                                       "first")
+            held = [hook for hook in self._pending if hook is not None]
+            with contextlib.ExitStack() as locked:   # (no hook can start while they are looked at)
+                for hook in held:
+                    locked.enter_context(hook._lock)
+                running = [hook for hook in held if hook.running]
+                if running:
+                    raise RuntimeError(f"{by}: {running[0].describe()} first")
+                for hook in held:
+                    hook._stale = by
+                    hook._release()
             self.next_half = 0
             self._pending = [None, None]

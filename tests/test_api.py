@@ -977,9 +977,18 @@ def test_buffer_on_two_ranks(api_results, check):
     assert not failures, f"{check}: {len(failures)} failure(s):\n" + "\n".join(failures)
 
 
+def _start_call(slots, name: str, hook) -> int:
+    """What a low-latency call does with the halves: the next free one, taken once sent, held by its hook."""
+    half = slots.next_free(name)
+    slots.take(half)
+    slots.hold(half, hook)
+    return half
+
+
 def test_clean_or_destroy_refused_while_a_hook_runs():
     """A hook running on another thread holds its buffer half: reset (clean_low_latency_buffer, destroy)
-    waits for nobody and is refused; once the hook has finished it goes ahead."""
+    waits for nobody and is refused, discarding nothing (the other half's un-run hook still works); once the
+    hook has finished it goes ahead."""
     import threading
     from deep_ep.low_latency import LowLatencySlots, ReceiveHook
     slots, started, release = LowLatencySlots(), threading.Event(), threading.Event()
@@ -988,18 +997,23 @@ def test_clean_or_destroy_refused_while_a_hook_runs():
         started.set()
         release.wait(timeout=30)
 
-    hook = ReceiveHook(receive, "low_latency_dispatch")
-    slots.hold(slots.acquire("low_latency_dispatch"), hook)
+    ran = []
+    waiting = ReceiveHook(lambda: ran.append("waiting"), "low_latency_dispatch")
+    _start_call(slots, "low_latency_dispatch", waiting)
+    hook = ReceiveHook(receive, "low_latency_combine")
+    _start_call(slots, "low_latency_combine", hook)
     worker = threading.Thread(target=hook)
     worker.start()
     assert started.wait(timeout=30)
-    with pytest.raises(RuntimeError, match="still running"):
+    with pytest.raises(RuntimeError, match="destroy.*low_latency_combine is still running .*on another thread"):
         slots.reset("destroy()")
+    waiting()
+    assert ran == ["waiting"]
     release.set()
     worker.join(timeout=30)
     slots.reset("destroy()")
     other = ReceiveHook(lambda: None, "low_latency_combine")
-    slots.hold(slots.acquire("low_latency_combine"), other)
+    _start_call(slots, "low_latency_combine", other)
     slots.reset("destroy()")
     with pytest.raises(RuntimeError, match="discarded by destroy"):
         other()
@@ -1007,22 +1021,25 @@ def test_clean_or_destroy_refused_while_a_hook_runs():
 
 def test_third_call_before_a_hook_is_refused_until_the_hook_runs_or_is_discarded():
     """Two low-latency results may be pending; the third call is refused with the two ways out, and
-    goes ahead once the hook two calls before has run, or after a reset discarded it."""
+    goes ahead once the hook two calls before has run, or after a reset discarded it. A call refused before it
+    sent (next_free without take) leaves the halves as they were."""
     from deep_ep.low_latency import LowLatencySlots, ReceiveHook
     slots = LowLatencySlots()
     ran = []
     first = ReceiveHook(lambda: ran.append("first"), "low_latency_dispatch")
-    slots.hold(slots.acquire("low_latency_dispatch"), first)
-    slots.hold(slots.acquire("low_latency_combine"), ReceiveHook(lambda: None, "low_latency_combine"))
-    with pytest.raises(RuntimeError, match=r"low_latency_dispatch: .*call its hook first .*clean_low_latency_buffer"):
-        slots.acquire("low_latency_dispatch")
+    assert _start_call(slots, "low_latency_dispatch", first) == 0
+    assert slots.next_free("low_latency_combine") == 1 and slots.next_free("low_latency_combine") == 1
+    _start_call(slots, "low_latency_combine", ReceiveHook(lambda: None, "low_latency_combine"))
+    with pytest.raises(RuntimeError, match=r"low_latency_dispatch: .*the receive hook of low_latency_dispatch has "
+                                           r"not been called; call it first .*clean_low_latency_buffer"):
+        slots.next_free("low_latency_dispatch")
     first()
-    assert ran == ["first"] and slots.acquire("low_latency_dispatch") == 0
-    slots.hold(0, ReceiveHook(lambda: None, "low_latency_dispatch"))
-    with pytest.raises(RuntimeError, match="call its hook first"):
+    assert ran == ["first"] and slots.next_free("low_latency_dispatch") == 0
+    _start_call(slots, "low_latency_dispatch", ReceiveHook(lambda: None, "low_latency_dispatch"))
+    with pytest.raises(RuntimeError, match="call it first"):
         slots.check_next("low_latency_combine")   # (the combine's hook, two calls before, has not run)
     slots.reset("clean_low_latency_buffer")
-    assert slots.acquire("low_latency_dispatch") == 0
+    assert slots.next_free("low_latency_dispatch") == 0
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ that does not complete within `timeout_s` -> deep_ep.CommTimeoutError naming the
 Errors that can be detected locally must be raised BEFORE any collective starts. Each such case is
 therefore run on ONE rank only (alternating), and after every case both ranks make a valid call of the
 same kind on the same Buffer: if the refused call had started a collective (or consumed a low-latency
-buffer half), the group is out of step and that follow-up call fails or times out.
+buffer half), the group is out of step and that follow-up call fails or times out. Bad values that only
+one rank's data may hold (expert ids) are checked once the inputs are complete, and every rank refuses the
+call together (the rank with them names the argument, the others name that rank).
 
 All cases run inside one `pool(2).run` (spawning ranks is the expensive part); the timeout case needs
 its own run and restarts the pool afterwards (its group is left with an unmatched collective).
@@ -66,6 +68,22 @@ def noncontig(t: torch.Tensor) -> torch.Tensor:
     out = t.transpose(-1, -2).contiguous().transpose(-1, -2)
     assert not out.is_contiguous() and out.shape == t.shape
     return out
+
+
+def _with_environment(**settings: str) -> Callable[[Callable[[], Any]], Any]:
+    """Calls a function with these environment variables set, restoring them afterwards."""
+    def call(fn: Callable[[], Any]) -> Any:
+        saved = {name: os.environ.get(name) for name in settings}
+        os.environ.update(settings)
+        try:
+            return fn()
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name)
+                else:
+                    os.environ[name] = value
+    return call
 
 
 class Case:
@@ -327,14 +345,8 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
              lambda: buf.get_dispatch_layout(ids_with(E), E)),
         Case("expert_range", "layout id -2", "normal", ValueError, ["topk_idx"],
              lambda: buf.get_dispatch_layout(ids_with(-2), E)),
-        Case("expert_range", "dispatch id == num_experts", "normal", ValueError, ["topk_idx"],
-             D(topk_idx=ids_with(E))),
-        Case("expert_range", "dispatch id -2", "normal", ValueError, ["topk_idx"], D(topk_idx=ids_with(-2))),
-        Case("expert_range", "LL dispatch id == num_experts", "ll", ValueError, ["topk_idx"],
-             LD(topk_idx=ids_with(E))),
-        Case("expert_range", "LL dispatch id -2", "ll", ValueError, ["topk_idx"], LD(topk_idx=ids_with(-2))),
-        Case("expert_range", "LL combine id == num_experts", "ll", ValueError, ["topk_idx"],
-             LC(topk_idx=ids_with(E))),
+        # (the calls that exchange data check the values once the inputs are complete, and every rank refuses
+        # together: the steps below)
 
         # ---- top-k > 32: ValueError ----
         Case("topk_limit", "dispatch top-33", "normal", ValueError, ["topk_idx"],
@@ -461,6 +473,11 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
              lambda: Buffer(group, 0, transport="bogus")),
         Case("construction", "num_ranks_per_node=3 of 2 ranks", "normal", ValueError, ["num_ranks_per_node"],
              lambda: Buffer(group, 0, num_ranks_per_node=3)),
+        Case("construction", "timeout_s=inf", "normal", ValueError, ["timeout_s"],
+             lambda: Buffer(group, 0, timeout_s=float("inf"))),
+        Case("construction", "timeout_s=0", "normal", ValueError, ["timeout_s"], lambda: Buffer(group, 0, timeout_s=0)),
+        Case("construction", "DEEP_EP_TIMEOUT_S=100s", "normal", ValueError, ["DEEP_EP_TIMEOUT_S"],
+             lambda: _with_environment(DEEP_EP_TIMEOUT_S="100s")(lambda: Buffer(group, 0))),
     ]
 
     # ---- the follow-up calls that prove the group is still in step ----------------------------------------
@@ -504,12 +521,12 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
             return res.as_dict()
 
     # ---- ranks calling with different shapes: ValueError on every rank, no hang ---------------------------
-    def mismatched(index, name, sync, fn0, fn1, names):
+    def mismatched(index, name, sync, fn0, fn1, names, category="mismatch"):
         if index < start:
             return True
-        res.checkpoint(index, "mismatch", name)
-        res.expect("mismatch", name, ValueError, names, fn0 if ctx.rank == 0 else fn1)
-        return in_step(index, "mismatch", name, sync)
+        res.checkpoint(index, category, name)
+        res.expect(category, name, ValueError, names, fn0 if ctx.rank == 0 else fn1)
+        return in_step(index, category, name, sync)
 
     other_hidden = x[:, :1].expand(T, 2 * H).contiguous()
     topk_8 = torch.tensor([[0, 4]] * T, dtype=torch.int64, device=dev)
@@ -544,6 +561,21 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
     ]
     for j, (name, sync, fn0, fn1, names) in enumerate(steps):
         if not mismatched(len(cases) + j, name, sync, fn0, fn1, names):
+            return res.as_dict()
+
+    # ---- bad expert ids on one rank only: every rank refuses the call (the rank with them names topk_idx), so
+    # that ranks which catch the error stay in step ----------------------------------------------------------
+    refused_together = [
+        ("dispatch id == num_experts", "normal", D(topk_idx=ids_with(E)), D()),
+        ("dispatch id -2", "normal", D(), D(topk_idx=ids_with(-2))),
+        ("LL dispatch id == num_experts", "ll", LD(topk_idx=ids_with(E)), LD()),
+        ("LL dispatch id -2", "ll", LD(), LD(topk_idx=ids_with(-2))),
+        ("LL combine id == num_experts", "ll", LC(topk_idx=ids_with(E)), LC()),
+    ]
+    for j, (name, sync, fn0, fn1) in enumerate(refused_together):
+        bad_rank = 0 if "== num_experts" in name else 1
+        names = ["topk_idx"] if ctx.rank == bad_rank else [f"rank {bad_rank}"]
+        if not mismatched(len(cases) + len(steps) + j, name, sync, fn0, fn1, names, category="expert_range"):
             return res.as_dict()
 
     # ---- finally, the kept handles still work ----------------------------------------------------------

@@ -515,3 +515,47 @@ def test_ll_nvlink_errors(pool):
     assert timeout.startswith("CommTimeoutError") and "rank 0" in timeout and "rank 1" in timeout, timeout
     # timeout_s is 3: the first call waits it out, the one queued behind it not again
     assert float(results[0]["two_queued_seconds"]) < 4.5, results[0]["two_queued_seconds"]
+
+
+def run_timeout_seen_by_destroy_or_clean(ctx) -> Dict[str, str]:
+    """Rank 0 dispatches alone (rank 1 makes no call), so its GPU wait times out; no later call reports it.
+    `destroy()` must see it and release locally (no barrier with a rank that is not coming), and
+    `clean_low_latency_buffer()` must name the awaited rank instead of timing out in its barrier."""
+    import torch.distributed as dist
+    from deep_ep import Buffer
+    out: Dict[str, str] = {}
+    n, hidden, num_experts = 8, 256, 8
+    size = Buffer.get_low_latency_rdma_size_hint(n, hidden, 2, num_experts)
+    x = torch.randn(n, hidden, device=ctx.device).to(torch.bfloat16)
+    idx = torch.tensor([[0, 5]] * n, dtype=torch.int64, device=ctx.device)
+    for step in ("destroy", "clean"):
+        buffer = Buffer(ctx.group, 0, size, low_latency_mode=True, transport="nvlink", explicitly_destroy=True,
+                        timeout_s=2)
+        if ctx.rank == 0:
+            buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+            torch.cuda.synchronize()
+            start = time.monotonic()
+            try:
+                if step == "clean":
+                    buffer.clean_low_latency_buffer(n, hidden, num_experts)
+                buffer.destroy()
+                out[step] = "no error"
+            except Exception as error:  # noqa: BLE001
+                out[step] = f"{type(error).__name__}: {error}"
+            out[step + "_seconds"] = f"{time.monotonic() - start:.3f}"
+            if step == "clean":
+                buffer.destroy()
+        dist.barrier(group=ctx.group)   # (rank 1 keeps its Buffer, which rank 0 wrote to, until then)
+    return out
+
+
+def test_ll_nvlink_timeout_seen_by_destroy_and_clean(pool):
+    from dist_utils import get_pool
+    try:
+        results = pool(2).run(run_timeout_seen_by_destroy_or_clean, timeout=120)
+    finally:
+        get_pool(2).restart()
+    got = results[0]
+    assert got["destroy"] == "no error" and float(got["destroy_seconds"]) < 1.5, got
+    assert got["clean"].startswith("CommTimeoutError") and "rank 1" in got["clean"], got
+    assert float(got["clean_seconds"]) < 1.5, got

@@ -73,8 +73,11 @@ class Transport(ABC):
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], num_tokens_per_rank: torch.Tensor,
                  is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor, expert_alignment: int,
-                 num_worst_tokens: int, num_channels: int) -> DispatchOutput:
-        """Send each token once to every rank in `is_token_in_rank`; rows ordered by (source rank, token)."""
+                 num_worst_tokens: int, num_channels: int, check_values: Optional[Callable[[], None]] = None
+                 ) -> DispatchOutput:
+        """Send each token once to every rank in `is_token_in_rank`; rows ordered by (source rank, token).
+        `check_values` (given where `checks_values_on_device` is False) raises ValueError for bad input values:
+        the transport runs it before its first exchange and makes every rank refuse the call together."""
 
     @abstractmethod
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: tuple,
@@ -90,21 +93,24 @@ class Transport(ABC):
     @abstractmethod
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
                              options: LowLatencyOptions, mask: Optional[torch.Tensor],
-                             wait_stats: Optional[torch.Tensor], half: int, hook: bool
+                             wait_stats: Optional[torch.Tensor], half: int, hook: bool,
+                             check_values: Optional[Callable[[], None]] = None
                              ) -> Tuple[LowLatencyDispatchOutput, Callable[[], None]]:
         """Send every selection to its expert's rank; returns the outputs and the receive step. `half`: the
         buffer half of this call (calls alternate between the two). `hook`: the receive step runs later, as
         a receive hook; otherwise right after this returns (a transport may then receive here already).
         `mask`: the Buffer's shrink mask (None without shrink mode). The call uses it as it is now, and marks
-        in it every rank that a wait of this call gave up on (the rank is skipped from there on)."""
+        in it every rank that a wait of this call gave up on (the rank is skipped from there on). `check_values`
+        as in `dispatch`."""
 
     @abstractmethod
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             src_info: torch.Tensor, layout_range: torch.Tensor, num_max_tokens: int,
                             use_logfmt: bool, mask: Optional[torch.Tensor], out: torch.Tensor,
-                            wait_stats: Optional[torch.Tensor], half: int, hook: bool) -> Callable[[], None]:
-        """Send expert outputs back; the receive step writes the weighted sums into `out` (`hook` as in
-        `low_latency_dispatch`)."""
+                            wait_stats: Optional[torch.Tensor], half: int, hook: bool,
+                            check_values: Optional[Callable[[], None]] = None) -> Callable[[], None]:
+        """Send expert outputs back; the receive step writes the weighted sums into `out` (`hook` and
+        `check_values` as in `low_latency_dispatch`)."""
 
     def check_low_latency_errors(self) -> None:
         """Raise what an earlier low-latency call found on the GPU (called before each low-latency call)."""
@@ -114,4 +120,5 @@ class Transport(ABC):
 
     def destroy(self, wait_for_gpu: bool = True) -> None:
         """Release what the transport holds (collective), after the GPU's work unless `wait_for_gpu` is False
-        (the group failed: its unfinished work may never finish)."""
+        (the group failed: its unfinished work may never finish). A wait of that work that timed out marks the
+        group broken."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -140,22 +140,37 @@ class ReferenceTransport(Transport):
 
     # ---- agreement --------------------------------------------------------------------------------
     def _agree(self, op: str, fields: Dict[str, int], extra: Optional[torch.Tensor] = None,
-               ranks: Optional[List[int]] = None) -> torch.Tensor:
+               ranks: Optional[List[int]] = None, check_values: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """All-gather this rank's header (among `ranks`, default all); raise on every rank if any rank's
-        operation or shapes differ.
+        operation or shapes differ, or if `check_values` raised ValueError on any rank (a rank that raised
+        alone would pair its next call with the others' current one).
 
         Returns the gathered `extra` rows ([R, 2 * R + 1]: up to 2 * R + 1 values a rank, e.g.
         `num_tokens_per_rank`), which must have the same length on every rank for the same operation."""
         self._call_number += 1
+        bad_input: Optional[ValueError] = None
+        if check_values is not None:
+            try:
+                check_values()
+            except ValueError as error:
+                bad_input = error
         values = [_OPS[op], self._call_number] + list(fields.values())
-        assert len(values) <= _HEADER_FIELDS
+        assert len(values) < _HEADER_FIELDS
         header = torch.zeros(_HEADER_FIELDS + 2 * self.topology.num_ranks + 1, dtype=torch.int64, device="cpu")
         header[:len(values)] = torch.tensor(values, dtype=torch.int64, device="cpu")
+        header[_HEADER_FIELDS - 1] = int(bad_input is not None)
         if extra is not None:
             header[_HEADER_FIELDS:_HEADER_FIELDS + extra.numel()] = extra.to("cpu", torch.int64)
         gathered = self.group.all_gather(header, f"{op} (header exchange)", ranks)
+        if bad_input is not None:
+            raise bad_input
+        taking_part = list(range(self.topology.num_ranks)) if ranks is None else ranks
+        refused = [rank for rank in taking_part if gathered[rank, _HEADER_FIELDS - 1]]
+        if refused:
+            raise ValueError(f"{op}: rank {refused[0]} passed invalid input values (it raised ValueError naming "
+                             "them); every rank refuses the call")
         mine = gathered[self.topology.rank, :len(values)]
-        for rank in range(self.topology.num_ranks) if ranks is None else ranks:
+        for rank in taking_part:
             theirs = gathered[rank, :len(values)]
             if torch.equal(theirs, mine):
                 continue
@@ -229,14 +244,14 @@ class ReferenceTransport(Transport):
         return torch.where(masks >= 2 ** 31, masks - 2 ** 32, masks).to(torch.int32)
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                 num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels):
+                 num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels, check_values=None):
         topo = self.topology
         num_ranks, num_experts = topo.num_ranks, num_tokens_per_expert.numel()
         experts_per_rank = num_experts // num_ranks
         extra = torch.cat([num_tokens_per_rank.to("cpu", torch.int64), torch.tensor([num_worst_tokens], device="cpu")])
         gathered_per_rank = self._agree("dispatch", dispatch_fields(
             x, x_scales, topk_idx, num_channels, num_experts=num_experts,
-            has_weights=int(topk_weights is not None)), extra=extra)
+            has_weights=int(topk_weights is not None)), extra=extra, check_values=check_values)
         # every rank knows what every rank receives and every rank's num_worst_tokens (each rank may pass its
         # own): a rank that would receive more than its value makes all of them refuse together
         receives, worst = gathered_per_rank[:, :num_ranks].sum(0), gathered_per_rank[:, num_ranks]
@@ -481,15 +496,16 @@ class ReferenceTransport(Transport):
         return mask.clone(), counted, _now_ns() - started
 
     def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half,
-                             hook):
+                             hook, check_values=None):
         mask, counted, roll_call_ns = self._roll_call("low_latency_dispatch", mask)
         topo = self.topology
         ranks = unmasked_ranks(mask, topo.rank)   # (masked ranks take no part: they may no longer call)
         num_ranks, hidden = topo.num_ranks, x.shape[1]
         experts_per_rank = num_experts // num_ranks
-        self._agree("low_latency_dispatch", dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
-                                        use_fp8=int(options.use_fp8), round_scale=int(options.round_scale),
-                                        use_ue8m0=int(options.use_ue8m0), topk=topk_idx.shape[1]), ranks=ranks)
+        fields = dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
+                      use_fp8=int(options.use_fp8), round_scale=int(options.round_scale),
+                      use_ue8m0=int(options.use_ue8m0), topk=topk_idx.shape[1])
+        self._agree("low_latency_dispatch", fields, ranks=ranks, check_values=check_values)
         num_tokens, topk = topk_idx.shape
         selected = topk_idx >= 0
         if mask is not None:
@@ -566,7 +582,7 @@ class ReferenceTransport(Transport):
         return output, receive
 
     def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt,
-                            mask, out, wait_stats, half, hook):
+                            mask, out, wait_stats, half, hook, check_values=None):
         mask, counted, roll_call_ns = self._roll_call("low_latency_combine", mask)
         topo = self.topology
         ranks = unmasked_ranks(mask, topo.rank)
@@ -579,7 +595,8 @@ class ReferenceTransport(Transport):
         # every rank's rows per destination travel with the header: what comes back here is column `rank`
         gathered = self._agree("low_latency_combine", dict(
             hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
-            use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]), extra=per_source, ranks=ranks)
+            use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]), extra=per_source, ranks=ranks,
+            check_values=check_values)
         recv_splits = gathered[:, topo.rank].tolist()
         # rows to return, grouped by source rank, then local expert (each block in slot order)
         flat_counts = counts.t().flatten()                                                # [R * E_loc] source-major

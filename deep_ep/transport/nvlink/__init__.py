@@ -281,7 +281,8 @@ class NVLinkTransport(Transport):
 
     # ---- dispatch ------------------------------------------------------------------------------------------
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                 num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels):
+                 num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels, check_values=None):
+        # (check_values is None: the kernels check the values and every rank reports them at its next call)
         topo, dev = self.topology, self.device
         R, C, rank = topo.num_ranks, num_channels, topo.rank
         num_tokens, num_experts = x.shape[0], num_tokens_per_expert.numel()
@@ -567,11 +568,11 @@ class NVLinkTransport(Transport):
                              f"-1 or in [0, num_experts), found {value} (checked on the GPU; those entries were "
                              "treated as no selection)")
 
-    def low_latency_dispatch(self, *args):   # without a low-latency area (__init__ rebinds it when there is one)
-        return self.reference.low_latency_dispatch(*args)
+    def low_latency_dispatch(self, *args, **kwargs):   # without a low-latency area (__init__ rebinds it otherwise)
+        return self.reference.low_latency_dispatch(*args, **kwargs)
 
-    def low_latency_combine(self, *args):
-        return self.reference.low_latency_combine(*args)
+    def low_latency_combine(self, *args, **kwargs):
+        return self.reference.low_latency_combine(*args, **kwargs)
 
     def clean_low_latency(self, num_max_tokens, hidden, num_experts) -> None:
         if self.low_latency is not None:
@@ -580,6 +581,8 @@ class NVLinkTransport(Transport):
     def destroy(self, wait_for_gpu: bool = True) -> None:
         if wait_for_gpu:
             torch.cuda.synchronize(self.device)
+            if int(self._status_words[0]):   # a wait that timed out after the last call: the ranks are out of step
+                self.group.mark_broken(f"a GPU wait for rank {int(self._status_words[1])}")
         self.peers.close()
         if self.low_latency is not None:
             self.low_latency.close()

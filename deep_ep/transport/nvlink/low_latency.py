@@ -258,7 +258,8 @@ class NVLinkLowLatency:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
                  options: LowLatencyOptions, mask: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
-                 half: int, hook: bool):
+                 half: int, hook: bool, check_values=None):
+        # (check_values is None: the kernels check the expert ids, reported at the next call on every rank)
         dev = self.device
         num_tokens, hidden = x.shape
         topk = topk_idx.shape[1]
@@ -312,8 +313,8 @@ class NVLinkLowLatency:
     # ---- combine ----------------------------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
                 layout_range: torch.Tensor, num_max_tokens: int, use_logfmt: bool, mask: Optional[torch.Tensor],
-                out: torch.Tensor, wait_stats: Optional[torch.Tensor], half: int, hook: bool):
-        experts_per_rank, _, hidden = x.shape
+                out: torch.Tensor, wait_stats: Optional[torch.Tensor], half: int, hook: bool, check_values=None):
+        experts_per_rank, _, hidden = x.shape   # (check_values is None, as in dispatch)
         num_tokens, topk = topk_idx.shape
         known = self._routes.get(id(src_info))
         if known is None:
