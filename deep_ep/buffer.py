@@ -796,13 +796,15 @@ class Buffer:
             check_tensor(name, stats, device=self.device, dtype=torch.int64, shape=(self.group_size,))
 
     # ---- shared checks ------------------------------------------------------------------------------------
-    def _check_num_experts(self, num_experts: int) -> int:
-        check_int("num_experts", num_experts, minimum=1)
+    def _check_num_experts(self, num_experts: int, name: str = "num_experts") -> int:
+        """Experts per rank; ValueError naming `name` (what gave the expert count)."""
+        check_int(name, num_experts, minimum=1)
         if num_experts % self.group_size:
-            raise ValueError(f"num_experts must be a multiple of the group size {self.group_size}, got {num_experts}")
+            raise ValueError(f"{name}: the expert count must be a multiple of the group size {self.group_size}, "
+                             f"got {num_experts}")
         experts_per_rank = num_experts // self.group_size
         if experts_per_rank > MAX_EXPERTS_PER_RANK:
-            raise ValueError(f"num_experts: at most {MAX_EXPERTS_PER_RANK} experts per rank, got {experts_per_rank}")
+            raise ValueError(f"{name}: at most {MAX_EXPERTS_PER_RANK} experts per rank, got {experts_per_rank}")
         return experts_per_rank
 
     def _check_topk_idx(self, name: str, topk_idx: torch.Tensor, num_experts: int,
@@ -881,7 +883,7 @@ class Buffer:
                      shape=(num_tokens, self.group_size))
         check_tensor("num_tokens_per_expert", num_tokens_per_expert, device=self.device, dtype=torch.int32, dim=1)
         num_experts = num_tokens_per_expert.numel()
-        self._check_num_experts(num_experts)
+        self._check_num_experts(num_experts, "num_tokens_per_expert (one entry per expert)")
         if self.topology.is_internode:
             if num_tokens_per_rdma_rank is None:
                 raise ValueError("dispatch: num_tokens_per_rdma_rank is required across nodes (from get_dispatch_layout)")
@@ -912,6 +914,10 @@ class Buffer:
         if not all(isinstance(t, torch.Tensor) for t in handle):
             raise ValueError(f"{name} must be the {expected_len}-tuple of tensors returned by a non-cached dispatch")
         is_token_in_rank = handle[0] if topo.is_internode else handle[4]
+        if isinstance(is_token_in_rank, torch.Tensor) and is_token_in_rank.dim() == 2 and num_tokens is not None \
+                and is_token_in_rank.shape[0] != num_tokens:
+            raise ValueError(f"x has {num_tokens} tokens but the dispatch that made {name} had "
+                             f"{is_token_in_rank.shape[0]}: pass the tokens of that batch")
         check_tensor(f"{name} (is_token_in_rank)", is_token_in_rank, device=self.device, dtype=torch.bool,
                      shape=(num_tokens, num_ranks))
         if topo.is_internode:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import math
+import pickle
 import socket
 import sys
 import time
@@ -74,21 +75,25 @@ class Group:
         self.roll_call: Optional[RollCall] = None   # shrink mode (open_roll_call)
 
     # ---- object collectives (construction time) -----------------------------------------------------
-    def all_gather_object(self, obj: Any) -> List[Any]:
-        """Every rank's picklable object (construction only: this wait is bounded by the group's own timeout)."""
+    def all_gather_object(self, obj: Any, what: str) -> List[Any]:
+        """Every rank's picklable object, by rank, within the timeout (through an mpi4py communicator:
+        unbounded)."""
         self._check_not_broken()
         if self.group is None:
             return list(self.comm.allgather(obj))
-        out: List[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        data = pickle.dumps(obj)
+        sizes = self.gather_ints(len(data), f"{what} (sizes)")
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        gathered = self.all_gather(padded, what).cpu()
+        return [pickle.loads(gathered[rank, :size].numpy().tobytes()) for rank, size in enumerate(sizes)]
 
     def ranks_per_node_of(self, hosts: List[int]) -> int:
         """Ranks per node from every rank's `host_id()`: one node if all share a host, else equal blocks."""
         per_node = hosts.count(hosts[0])
         blocks = [hosts[i:i + per_node] for i in range(0, self.size, per_node)]
         if self.size % per_node or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
-            names = self.all_gather_object(socket.gethostname())
+            names = self.all_gather_object(socket.gethostname(), "host name exchange")
             raise ValueError("Buffer: cannot detect the node layout (ranks of a host must form equal contiguous "
                              f"blocks in group order; hosts are {names}); pass num_ranks_per_node explicitly")
         return per_node

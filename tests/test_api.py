@@ -629,6 +629,13 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
         gc.collect()
         assert temp_ref() is None and ("k",) not in cache, "a dropped Buffer must be collectable"
 
+    # -- the construction-time object exchange: bounded collectives, objects of different sizes by rank ------
+    with c.check("object_exchange"):
+        from deep_ep.group import Group
+        objects = Group(group, None, timeout_s=20).all_gather_object(("rank", ctx.rank, "x" * (3 + 5000 * ctx.rank)),
+                                                                     "test exchange")
+        assert objects == [("rank", r, "x" * (3 + 5000 * r)) for r in range(2)], objects
+
     # -- static helpers through an instance --------------------------------------------------------------
     with c.check("helpers_on_instance"):
         assert buf.is_sm90_compiled() is True
@@ -957,7 +964,7 @@ def api_results():
     return merged
 
 
-API_CHECKS = ["constructor_errors_local", "positional_construction_and_attributes",
+API_CHECKS = ["constructor_errors_local", "positional_construction_and_attributes", "object_exchange",
               "keyword_construction_and_attributes", "weakref_and_isinstance", "helpers_on_instance",
               "set_num_sms_on_instance", "events_of_calls", "get_comm_stream", "get_local_buffer_tensor",
               "get_local_buffer_tensor_too_big", "num_qps_per_rank_0_without_low_latency",

@@ -357,7 +357,7 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
              lambda: buf.get_dispatch_layout(topk_idx, 5)),
         Case("num_experts", "layout num_experts=0", "normal", ValueError, ["num_experts"],
              lambda: buf.get_dispatch_layout(torch.full((T, K), -1, dtype=torch.int64, device=dev), 0)),
-        Case("num_experts", "dispatch 5 experts", "normal", ValueError, [("num_experts", "num_tokens_per_expert")],
+        Case("num_experts", "dispatch 5 experts", "normal", ValueError, ["num_tokens_per_expert"],
              D(num_tokens_per_expert=torch.zeros(5, dtype=torch.int32, device=dev))),
         Case("num_experts", "LL dispatch num_experts=5", "ll", ValueError, ["num_experts"], LD(num_experts=5)),
 
@@ -370,7 +370,7 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
              lambda: buf.dispatch(x, handle=handle, topk_weights=topk_weights)),
         Case("handle", "cached dispatch garbage tuple", "normal", ValueError, ["handle"],
              lambda: buf.dispatch(x, handle=(1, 2, 3))),
-        Case("handle", "cached dispatch x rows != handle tokens", "normal", ValueError, [("x", "handle")],
+        Case("handle", "cached dispatch x rows != handle tokens", "normal", ValueError, ["x", "handle"],
              lambda: buf.dispatch(torch.cat([x, x[:1]]), handle=handle)),
         Case("handle", "combine garbage tuple", "normal", ValueError, ["handle"], C(handle=(1, 2, 3))),
         Case("handle", "combine tuple of 6 ints", "normal", ValueError, ["handle"], C(handle=(1, 2, 3, 4, 5, 6))),

@@ -25,7 +25,7 @@ class PeerBuffers:
         # releases, and keeps the memory (reporting it at exit) while a counter is held. A single share opened
         # by every peer would be released too often with 3+ ranks and never with one.
         shares = [None if rank == group.rank else reduce_tensor(local) for rank in range(group.size)]
-        shared = group.all_gather_object((local.device.index, shares))
+        shared = group.all_gather_object((local.device.index, shares), "CUDA IPC handle exchange")
         for device_index, _ in shared:
             _enable_peer_access(local.device.index, device_index)
         self.local = local
