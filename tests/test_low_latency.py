@@ -965,8 +965,8 @@ def run_hook_flags(ctx, seed: int) -> List[tuple]:
     buffer = make_buffer(ctx, 8, 256, 2 * ctx.world_size, explicitly_destroy=True)
     transport = buffer._transport
     dispatch, combine = transport.low_latency_dispatch, transport.low_latency_combine
-    transport.low_latency_dispatch = lambda *a: seen.append(("dispatch", a[-1])) or dispatch(*a)
-    transport.low_latency_combine = lambda *a: seen.append(("combine", a[-1])) or combine(*a)
+    transport.low_latency_dispatch = lambda *a, **k: seen.append(("dispatch", a[-1])) or dispatch(*a, **k)
+    transport.low_latency_combine = lambda *a, **k: seen.append(("combine", a[-1])) or combine(*a, **k)
     g = generator(seed, ctx.rank)
     x = torch.randn((4, 256), generator=g).to(ctx.device, torch.bfloat16)
     topk_idx = torch.randint(0, 2 * ctx.world_size, (4, 2), generator=g).to(ctx.device)
