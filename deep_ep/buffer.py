@@ -129,7 +129,11 @@ class Buffer:
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1 if low_latency_mode else 0)
         timeout_s = _timeout_setting(timeout_s)
         requested_transport = transport_name(transport)
-        self._group = Group(group, comm, timeout_s)
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        if self.device.type == "cuda" and self.device.index is None:   # (not whatever device is current later)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._group = Group(group, comm, timeout_s, self.device)
         self.group = group if group is not None else comm
         self.rank, self.group_size = self._group.rank, self._group.size
         if num_ranks_per_node is not None:
@@ -153,8 +157,6 @@ class Buffer:
         self.topology = Topology(self.rank, self.group_size, num_ranks_per_node)
         if self.topology.is_internode and num_ranks_per_node > 32:
             raise ValueError(f"num_ranks_per_node must be <= 32 across nodes (a 32-bit rank mask), got {num_ranks_per_node}")
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         if self.device.type == "cuda" and group is not None:
             check_nvlink_connections(group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
@@ -608,9 +610,9 @@ class Buffer:
             raise ValueError("low_latency_combine: zero_copy and use_logfmt cannot be combined")
         src_info, layout_range, num_max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
         self._slots.check_next("low_latency_combine")   # (that misuse first: it is reported as such)
-        if self._slots.receiving(src_info):
-            raise ValueError("handle: the receive hook of the low_latency_dispatch that returned this handle has not "
-                             "run yet; call it before low_latency_combine")
+        receiving = self._slots.receiving(src_info)
+        if receiving is not None:
+            raise ValueError(f"handle: {receiving.describe()} before low_latency_combine (it returned this handle)")
         experts_per_rank = num_experts // self.group_size
         check_tensor("x", x, device=self.device, dtype=torch.bfloat16,
                      shape=(experts_per_rank, self.group_size * num_max_tokens, hidden))

@@ -58,10 +58,12 @@ class Group:
     operation; the group is then unusable (a half-finished collective leaves peers out of step).
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup], comm: Any, timeout_s: float) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup], comm: Any, timeout_s: float,
+                 device: Optional[torch.device] = None) -> None:
         if group is None and comm is None:
             raise ValueError("Either 'group' or 'comm' must be provided.")
         self.group, self.comm, self.timeout_s = group, comm, timeout_s
+        self.device = device   # the Buffer's: CPU tensors cross an NCCL group through it (if a CUDA device)
         if group is not None:
             self.rank, self.size = group.rank(), group.size()
             backend = str(dist.get_backend(group)).lower()
@@ -193,7 +195,7 @@ class Group:
         gathered[self.rank] = staged
         peers = [r for r in ranks if r != self.rank]
         for work in self._point_to_point({r: staged for r in peers}, {r: gathered[r] for r in peers}):
-            self.wait(work, what, gathered)
+            self.wait(work, what, gathered, peers)
         return gathered.to(tensor.device)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]],
@@ -214,14 +216,14 @@ class Group:
                                             list(output_splits) if output_splits is not None else None,
                                             list(input_splits) if input_splits is not None else None,
                                             group=self._torch_group(), async_op=True)]
-            return PendingAllToAll(self, works, what, output, staged_out)
+            return PendingAllToAll(self, works, what, output, staged_out, None)
         sends, receives = _blocks(staged_in, input_splits, self.size), _blocks(staged_out, output_splits, self.size)
         staged_out_own = receives[self.rank]
         staged_out_own.copy_(sends[self.rank])
         peers = [r for r in ranks if r != self.rank]
         works = self._point_to_point({r: sends[r] for r in peers if sends[r].numel()},
                                      {r: receives[r] for r in peers if receives[r].numel()})
-        return PendingAllToAll(self, works, what, output, staged_out)
+        return PendingAllToAll(self, works, what, output, staged_out, peers)
 
     def barrier(self, what: str, ranks: Optional[Sequence[int]] = None) -> None:
         """Wait for the ranks (`ranks`, default all; through an mpi4py communicator: all of them, unbounded). A
@@ -251,9 +253,9 @@ class Group:
         return dist.batch_isend_irecv(ops) if ops else []
 
     # ---- waiting --------------------------------------------------------------------------------------
-    def wait(self, work: dist.Work, what: str, result: torch.Tensor) -> None:
-        """Complete `work` within the timeout, polling without blocking (a blocking wait on a collective
-        that a peer never joins would not return)."""
+    def wait(self, work: dist.Work, what: str, result: torch.Tensor, peers: Optional[Sequence[int]] = None) -> None:
+        """Complete `work` (with `peers`, default all other ranks) within the timeout, polling without blocking
+        (a blocking wait on a collective that a peer never joins would not return)."""
         deadline = time.monotonic() + self.timeout_s
         try:
             if not result.is_cuda:
@@ -261,14 +263,14 @@ class Group:
                 return
             while not work.is_completed():
                 if time.monotonic() > deadline:
-                    self._fail(what, "the collective did not finish on the GPU")
+                    self._fail(what, "the collective did not finish on the GPU", peers)
                 time.sleep(0)
             work.wait()  # orders the current stream after the collective
         except CommTimeoutError:
             raise
         except RuntimeError as error:   # what the backend raised (gloo: "Timed out ...", NCCL's watchdog: "... timeout")
             if any(word in str(error).lower() for word in ("timed out", "timeout")):
-                self._fail(what, str(error))
+                self._fail(what, str(error), peers)
             self._broken = what   # the ranks may be out of step
             raise RuntimeError(f"rank {self.rank}: {what} failed: {str(error).strip()}; this Buffer cannot be "
                                "used any more") from error
@@ -279,11 +281,12 @@ class Group:
         if self._broken is None:
             self._broken = what
 
-    def _fail(self, what: str, detail: str) -> None:
+    def _fail(self, what: str, detail: str, peers: Optional[Sequence[int]] = None) -> None:
         self._broken = what
+        awaited = f"the other {self.size - 1} ranks of the group" if peers is None else \
+            f"rank{'s' if len(peers) > 1 else ''} {', '.join(str(r) for r in peers)}"
         raise CommTimeoutError(f"rank {self.rank}: {what} did not complete within {self.timeout_s:g} s "
-                               f"(waiting for the other {self.size - 1} ranks of the group: {detail.strip()}); "
-                               "this Buffer cannot be used any more")
+                               f"(waiting for {awaited}: {detail.strip()}); this Buffer cannot be used any more")
 
     @property
     def broken(self) -> bool:
@@ -305,7 +308,11 @@ class Group:
         return self.group
 
     def _collective_device(self) -> torch.device:
-        return torch.device("cpu") if self.cpu_native else torch.device("cuda", torch.cuda.current_device())
+        if self.cpu_native:
+            return torch.device("cpu")
+        if self.device is not None and self.device.type == "cuda":
+            return self.device
+        return torch.device("cuda", torch.cuda.current_device())
 
     def _stage(self, tensor: torch.Tensor, empty: bool = False) -> torch.Tensor:
         """The tensor where the backend can move it: CUDA tensors go through host memory on a gloo group,
@@ -366,14 +373,15 @@ class PendingAllToAll:
     """An all-to-all in flight; `wait()` completes it within the group's timeout."""
 
     def __init__(self, group: Group, works: List[dist.Work], what: str, output: torch.Tensor,
-                 staged: torch.Tensor) -> None:
+                 staged: torch.Tensor, peers: Optional[Sequence[int]]) -> None:
         self.group, self.works, self.what, self.output, self.staged = group, works, what, output, staged
+        self.peers = peers   # (None: every other rank)
         self.done = False
 
     def wait(self) -> torch.Tensor:
         if not self.done:
             for work in self.works:
-                self.group.wait(work, self.what, self.staged)
+                self.group.wait(work, self.what, self.staged, self.peers)
             target = rows_as_bytes(self.output)
             if target.data_ptr() != self.staged.data_ptr():
                 target.copy_(self.staged)

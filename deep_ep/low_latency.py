@@ -95,10 +95,11 @@ class LowLatencySlots:
         with self._lock:
             self._pending[half] = hook
 
-    def receiving(self, output: object) -> bool:
-        """Whether a hook not yet run will fill in `output` (compared by identity)."""
+    def receiving(self, output: object) -> Optional[ReceiveHook]:
+        """The hook, not yet finished, that fills in `output` (compared by identity), if any."""
         with self._lock:
-            return any(hook is not None and hook.pending and hook.output is output for hook in self._pending)
+            return next((hook for hook in self._pending
+                         if hook is not None and hook.pending and hook.output is output), None)
 
     def reset(self, by: str) -> None:
         """Back to the first half; hooks not yet run are discarded (by `by`). Refused, discarding nothing, while a

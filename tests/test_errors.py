@@ -700,6 +700,12 @@ def run_timeout_case(ctx) -> Dict[str, Any]:
         out["destroyed"] = buf.runtime is None
     except Exception as error:  # noqa: BLE001
         out["destroyed"] = f"{type(error).__name__}: {error}"
+    from deep_ep.group import Group
+    try:   # a wait on some ranks only (shrink mode's exchanges) names them
+        Group(ctx.group, None, timeout_s=1).barrier("a barrier of ranks 0 and 1", ranks=[0, 1])
+        out["subset"] = "no error"
+    except deep_ep.CommTimeoutError as error:
+        out["subset"] = str(error)
     return out
 
 
@@ -720,3 +726,5 @@ def test_wait_times_out_with_comm_timeout_error():
         f"a call on the broken Buffer must raise RuntimeError, got {r0['after']}"
     assert r0["after_elapsed"] < TIMEOUT_S, "the broken Buffer must refuse at once, not wait again"
     assert r0["destroyed"] is True, f"destroy() of the broken Buffer: {r0['destroyed']}"
+    assert "rank 0: a barrier of ranks 0 and 1 did not complete" in r0["subset"] \
+        and "waiting for rank 1:" in r0["subset"], r0["subset"]
