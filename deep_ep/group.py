@@ -85,7 +85,7 @@ class Group:
             return list(self.comm.allgather(obj))
         data = pickle.dumps(obj)
         sizes = self.gather_ints(len(data), f"{what} (sizes)")
-        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device="cpu")   # (not a default device the caller set)
         padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         gathered = self.all_gather(padded, what).cpu()
         return [pickle.loads(gathered[rank, :size].numpy().tobytes()) for rank, size in enumerate(sizes)]

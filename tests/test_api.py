@@ -632,8 +632,9 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
     # -- the construction-time object exchange: bounded collectives, objects of different sizes by rank ------
     with c.check("object_exchange"):
         from deep_ep.group import Group
-        objects = Group(group, None, timeout_s=20).all_gather_object(("rank", ctx.rank, "x" * (3 + 5000 * ctx.rank)),
-                                                                     "test exchange")
+        with torch.device("meta"):   # (a default device the caller set must not matter)
+            objects = Group(group, None, timeout_s=20).all_gather_object(
+                ("rank", ctx.rank, "x" * (3 + 5000 * ctx.rank)), "test exchange")
         assert objects == [("rank", r, "x" * (3 + 5000 * r)) for r in range(2)], objects
 
     # -- static helpers through an instance --------------------------------------------------------------
