@@ -129,8 +129,7 @@ class Buffer:
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1 if low_latency_mode else 0)
         timeout_s = _timeout_setting(timeout_s)
         requested_transport = transport_name(transport)
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and self.device.index is None:   # (not whatever device is current later)
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._group = Group(group, comm, timeout_s, self.device)

@@ -29,6 +29,20 @@ class ReceiveHook:
         """Called and not yet returned (on another thread)."""
         return self._started and not self._done
 
+    @staticmethod
+    def discard_all(hooks: List["ReceiveHook"], by: str) -> None:
+        """The buffer was cleaned or destroyed (`by`): calling these hooks afterwards is an error. Refused,
+        discarding none, while one of them runs (none can start while they are looked at)."""
+        with contextlib.ExitStack() as locked:
+            for hook in hooks:
+                locked.enter_context(hook._lock)
+            running = [hook for hook in hooks if hook.running]
+            if running:
+                raise RuntimeError(f"{by}: {running[0].describe()} first")
+            for hook in hooks:
+                hook._stale = by
+                hook._release()
+
     def describe(self) -> str:
         state = "is still running (on another thread); wait for it to return" if self.running else \
             "has not been called; call it"
@@ -105,15 +119,6 @@ class LowLatencySlots:
         """Back to the first half; hooks not yet run are discarded (by `by`). Refused, discarding nothing, while a
         hook runs."""
         with self._lock:
-            held = [hook for hook in self._pending if hook is not None]
-            with contextlib.ExitStack() as locked:   # (no hook can start while they are looked at)
-                for hook in held:
-                    locked.enter_context(hook._lock)
-                running = [hook for hook in held if hook.running]
-                if running:
-                    raise RuntimeError(f"{by}: {running[0].describe()} first")
-                for hook in held:
-                    hook._stale = by
-                    hook._release()
+            ReceiveHook.discard_all([hook for hook in self._pending if hook is not None], by)
             self.next_half = 0
             self._pending = [None, None]
