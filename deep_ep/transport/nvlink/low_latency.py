@@ -17,7 +17,8 @@ launches. Without one, and with few tokens (FUSED_MAX_TOKENS), one kernel sends 
 launch and one gap between graph nodes less); its programs wait for each other, so it is launched as a
 cooperative grid, which CUDA runs only with all programs resident at once (DEEP_EP_LL_FUSED=0 turns it
 off). Expert ids are checked on the GPU;
-bad ones count as no selection and are reported at the next low-latency call, like timeouts.
+bad ones count as no selection and are reported at the next low-latency call of the rank that passed them,
+like timeouts.
 """
 from __future__ import annotations
 
@@ -259,7 +260,8 @@ class NVLinkLowLatency:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
                  options: LowLatencyOptions, mask: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
                  half: int, hook: bool, check_values=None):
-        # (check_values is None: the kernels check the expert ids, reported at the next call on every rank)
+        # (check_values is None: the kernels check the expert ids; the rank that passed a bad one raises at its next
+        # low-latency call, the others get no rows from those entries)
         dev = self.device
         num_tokens, hidden = x.shape
         topk = topk_idx.shape[1]
