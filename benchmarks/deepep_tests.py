@@ -1,6 +1,6 @@
 """Run DeepEP V1's own test scripts against this package: `tests/test_intranode.py`,
 `tests/test_internode.py` and `tests/test_low_latency.py` (with their `tests/utils.py`) of a DeepEP
-checkout of the V1 line (e.g. tag v1.2.1), which exercise the public API the way DeepEP's authors do and
+checkout of the V1 line (e.g. commit 567632d, the last before V2), which exercise the public API the way DeepEP's authors do and
 print DeepEP's own figures.
 
     python benchmarks/deepep_tests.py DEEPEP_TESTS_DIR test_low_latency --num-processes 2 [script arguments]
