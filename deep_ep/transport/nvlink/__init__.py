@@ -374,7 +374,7 @@ class NVLinkTransport(Transport):
         E_loc = len(host) - 1 - 2 * R - 6
         num_recv, aligned = host[0], host[1:1 + E_loc]
         signatures, flags = host[1 + E_loc:1 + E_loc + R], host[1 + E_loc + R:1 + E_loc + 2 * R]
-        own_flags, low, high, layout_value, max_recv_rows, max_send_rows = host[1 + E_loc + 2 * R:]
+        _own_flags, low, high, layout_value, max_recv_rows, max_send_rows = host[1 + E_loc + 2 * R:]
         others = [r for r, s in enumerate(signatures) if s != signature]
         if others:
             # every rank sees a difference; when all of them wait here they compare the calls to name it
@@ -609,10 +609,6 @@ def _combine_slot(topk: int, hidden: int):
 def _rows_per_step(row_elements: int, tile_elements: int) -> int:
     """Rows a program moves at once: about `tile_elements` values in flight, 1 to 8 rows."""
     return max(1, min(8, _next_pow2(tile_elements // _next_pow2(max(row_elements, 1)) + 1) // 2))
-
-
-def _dummy(device: torch.device) -> torch.Tensor:
-    return torch.empty((1,), dtype=torch.int32, device=device)
 
 
 def plan_from_handle(handle, rank: int, read_shares: bool) -> _Plan:

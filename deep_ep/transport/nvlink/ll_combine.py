@@ -38,7 +38,6 @@ from .sync import (begin_send, claim_arrival, finish_receive, in_rank_bits, rank
                    send_share, wait_for_senders)
 
 WAIT_LL_COMBINE = tl.constexpr(5)
-LOGFMT_CODES = tl.constexpr(510)
 
 
 @triton.jit
