@@ -6,4 +6,6 @@ from .config import Config, topk_idx_t
 from .group import CommTimeoutError
 from .utils import EventHandle, EventOverlap
 
+__version__ = "0.1.0"
+
 __all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "topk_idx_t", "CommTimeoutError"]

@@ -141,11 +141,13 @@ def _nearest_entry(table: dict, num_ranks: int) -> tuple:
 
 
 def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
+    """DeepEP's tuned dispatch `Config` for `num_ranks` (the nearest tuned count above it) at `num_sms`."""
     _check_positive("num_ranks", num_ranks)
     return Config(num_sms, *_nearest_entry(_DISPATCH_TABLE, num_ranks))
 
 
 def default_combine_config(num_ranks: int, num_sms: int) -> Config:
+    """DeepEP's tuned combine `Config` for `num_ranks` (the nearest tuned count above it) at `num_sms`."""
     _check_positive("num_ranks", num_ranks)
     return Config(num_sms, *_nearest_entry(_COMBINE_TABLE, num_ranks))
 

@@ -112,6 +112,16 @@ def test_imports_as_clients_do():
     assert not dist.is_initialized()
 
 
+def test_version_is_the_installed_packages():
+    from importlib import metadata
+    assert re.fullmatch(r"\d+\.\d+\.\d+", deep_ep.__version__), deep_ep.__version__
+    try:
+        installed = metadata.version("deep-ep-triton")
+    except metadata.PackageNotFoundError:
+        pytest.skip("deep-ep-triton is not installed (tests run from the source tree)")
+    assert installed == deep_ep.__version__
+
+
 def test_no_v2_or_hybrid_symbols():
     for name in ("ElasticBuffer", "HybridEPBuffer"):
         assert not hasattr(deep_ep, name), f"deep_ep.{name} must not exist (clients would take the V2/HybridEP path)"
