@@ -87,7 +87,7 @@ class Group:
         sizes = self.gather_ints(len(data), f"{what} (sizes)")
         padded = torch.zeros(max(sizes), dtype=torch.uint8, device="cpu")   # (not a default device the caller set)
         padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        gathered = self.all_gather(padded, what).cpu()
+        gathered = self.all_gather(padded, what)   # (on the CPU, as `padded`)
         return [pickle.loads(gathered[rank, :size].numpy().tobytes()) for rank, size in enumerate(sizes)]
 
     def ranks_per_node_of(self, hosts: List[int]) -> int:

@@ -23,6 +23,7 @@ import re
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Tuple, Union
+from unittest import mock
 
 import pytest
 import torch
@@ -68,22 +69,6 @@ def noncontig(t: torch.Tensor) -> torch.Tensor:
     out = t.transpose(-1, -2).contiguous().transpose(-1, -2)
     assert not out.is_contiguous() and out.shape == t.shape
     return out
-
-
-def _with_environment(**settings: str) -> Callable[[Callable[[], Any]], Any]:
-    """Calls a function with these environment variables set, restoring them afterwards."""
-    def call(fn: Callable[[], Any]) -> Any:
-        saved = {name: os.environ.get(name) for name in settings}
-        os.environ.update(settings)
-        try:
-            return fn()
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name)
-                else:
-                    os.environ[name] = value
-    return call
 
 
 class Case:
@@ -477,7 +462,7 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
              lambda: Buffer(group, 0, timeout_s=float("inf"))),
         Case("construction", "timeout_s=0", "normal", ValueError, ["timeout_s"], lambda: Buffer(group, 0, timeout_s=0)),
         Case("construction", "DEEP_EP_TIMEOUT_S=100s", "normal", ValueError, ["DEEP_EP_TIMEOUT_S"],
-             lambda: _with_environment(DEEP_EP_TIMEOUT_S="100s")(lambda: Buffer(group, 0))),
+             mock.patch.dict(os.environ, DEEP_EP_TIMEOUT_S="100s")(lambda: Buffer(group, 0))),
     ]
 
     # ---- the follow-up calls that prove the group is still in step ----------------------------------------

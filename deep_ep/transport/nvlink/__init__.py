@@ -282,7 +282,8 @@ class NVLinkTransport(Transport):
     # ---- dispatch ------------------------------------------------------------------------------------------
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels, check_values=None):
-        # (check_values is None: the kernels check the values and every rank reports them at its next call)
+        # (check_values is None: the kernels check the values and every rank raises at this dispatch's count wait;
+        # with num_worst_tokens there is no wait and no check)
         topo, dev = self.topology, self.device
         R, C, rank = topo.num_ranks, num_channels, topo.rank
         num_tokens, num_experts = x.shape[0], num_tokens_per_expert.numel()
