@@ -12,7 +12,7 @@
 #   low-latency tests (ll-compare: the comparisons with the reference; ll-variants: the 2-rank comparison with
 #   DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0, part of ll on 2 GPUs; ll-other: the rest; on one GPU they run one
 #   after the other, so there a call of at most 10 minutes takes one of them);
-#   other: the rest of the suite
+#   other: the rest of the suite (on one GPU, beside normal, tests/test_normal.py does not finish within 10 minutes)
 #   shrink: the automatic-masking test of tests/test_low_latency.py fifteen times, three at once, each with a
 #           fresh seed (its timing differs from run to run; three at once made a since-fixed race show up in 5 of
 #           18 runs instead of 1 in 5)
