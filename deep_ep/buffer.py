@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .checks import check_expert_ids, check_int, check_tensor
 from .config import (Config, LowLatencyLayout, default_combine_config, default_dispatch_config,
-                     low_latency_size_hint, topk_idx_t)
+                     low_latency_size_hint, nvl_bytes_needed, topk_idx_t)
 from .group import Group, Topology, host_id, unmasked_ranks
 from .low_latency import LowLatencySlots, ReceiveHook
 from .streams import CommStream, stream_of
@@ -893,12 +893,7 @@ class Buffer:
         return num_experts
 
     def _check_nvl_capacity(self, what: str, config: Config, row_bytes: int, num_experts: int = 0) -> None:
-        """DeepEP's rule: the count exchange and one ring of `num_max_nvl_chunked_recv_tokens` rows per
-        (channel, peer of the node) must fit in `num_nvl_bytes`."""
-        peers, channels = self.topology.ranks_per_node, config.num_channels
-        ring = channels * peers * config.num_max_nvl_chunked_recv_tokens * row_bytes
-        needed = max(self.group_size * (self.group_size + num_experts // self.group_size) * 4,
-                     peers * peers * 4 + 4 * channels * peers * 4 + ring)
+        needed = nvl_bytes_needed(config, row_bytes, self.group_size, self.topology.ranks_per_node, num_experts)
         if self.num_nvl_bytes < needed:
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for this {what}: need >= {needed} "
                              "(Config.get_nvl_buffer_size_hint gives a size that fits)")

@@ -114,6 +114,17 @@ class Config:
         return _round_up(total, 128)
 
 
+def nvl_bytes_needed(config: Config, row_bytes: int, num_ranks: int, ranks_per_node: int, num_experts: int = 0) -> int:
+    """The smallest `num_nvl_bytes` a dispatch or combine accepts, DeepEP's rule: the count exchange, or one
+    ring of `num_max_nvl_chunked_recv_tokens` rows of `row_bytes` per (channel, NVLink peer) with its
+    counters. DeepEP's node has at most 8 peers (the size hint's count); a larger node of this library
+    (more ranks on one host) needs no more: a smaller buffer moves the rows in more rounds."""
+    peers, channels = min(ranks_per_node, NUM_MAX_NVL_PEERS), config.num_channels
+    ring = channels * peers * config.num_max_nvl_chunked_recv_tokens * row_bytes
+    return max(num_ranks * (num_ranks + num_experts // num_ranks) * 4,
+               peers * peers * 4 + 4 * channels * peers * 4 + ring)
+
+
 def _check_positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -299,6 +299,24 @@ def test_default_configs_for_untuned_rank_counts(num_ranks):
         assert isinstance(hint, int) and hint > 0
 
 
+@pytest.mark.parametrize("num_ranks", [2, 4, 8, 12, 16, 24, 32])
+def test_the_clients_size_hint_is_enough_for_any_node_size(num_ranks):
+    # clients size num_nvl_bytes as the larger hint of the default dispatch and combine configs; every call
+    # must accept it, also on a node of more than DeepEP's 8 ranks (all ranks of one host are one node here)
+    from deep_ep.config import nvl_bytes_needed, topk_idx_t
+    dispatch_config, combine_config = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
+    for hidden, topk, num_experts in ((1024, 8, 64), (2880, 4, 128), (7168, 8, 256), (4096, 32, 512)):
+        hint = max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for c in (dispatch_config, combine_config))
+        num_experts = max(num_experts, num_ranks)
+        bf16 = hidden * 2 + 4 + topk * (topk_idx_t.itemsize + 4)
+        fp8 = hidden + 4 + topk * (topk_idx_t.itemsize + 4) + hidden // 128 * 4
+        back = hidden * 2 + 4 + topk * 4
+        for ranks_per_node in sorted({min(num_ranks, 8), num_ranks}):
+            for config, row_bytes in ((dispatch_config, bf16), (dispatch_config, fp8), (combine_config, back)):
+                needed = nvl_bytes_needed(config, row_bytes, num_ranks, ranks_per_node, num_experts)
+                assert needed <= hint, (hidden, topk, ranks_per_node, row_bytes)
+
+
 def test_set_num_sms(restore_num_sms):
     assert isinstance(inspect.getattr_static(Buffer, "set_num_sms"), staticmethod)
     Buffer.set_num_sms(20)

@@ -51,6 +51,14 @@ def test_plan_from_handle_matches_the_model(num_ranks, num_channels):
         assert torch.equal(plan.push_row0, sent[:g].sum(0).to(torch.int32)), msg
         assert torch.equal(plan.combine_row0, sent[:, :g].sum(1).to(torch.int32)), msg
         assert (plan.max_recv_rows, plan.max_send_rows) == (int(sent.sum(0).max()), int(sent.sum(1).max())), msg
+        # a num_worst_tokens handle (rows padded with -1, or fewer than arrived): its dispatch used the rings,
+        # and so does its rebuilt plan (the direct protocol would put rows past the outputs)
+        received = handle[3].shape[0]
+        for worst in {received + 3, max(received - 1, 1)} - {received}:
+            padded = handle[:3] + (handle[3].new_full((worst,), -1),) + handle[4:]
+            worst_plan = plan_from_handle(padded, g, read_shares=True)
+            assert worst_plan[-2:] == (None, None), msg
+            assert torch.equal(worst_plan.prefix, prefix) and torch.equal(worst_plan.recv_base, plan.recv_base), msg
 
 
 class _GroupOf:

@@ -614,8 +614,10 @@ def _rows_per_step(row_elements: int, tile_elements: int) -> int:
 
 def plan_from_handle(handle, rank: int, read_shares: bool) -> _Plan:
     """Where every row of a dispatch went, from its intranode handle alone (torch operations); with
-    `read_shares`, also the largest shares (one host wait), else they stay unknown."""
-    rank_prefix_matrix, channel_prefix, recv_channel_prefix, _, in_rank, _ = handle
+    `read_shares`, also the largest shares (one host wait), else they stay unknown. They also stay unknown
+    (the rings, as with the original handle) for a handle of a num_worst_tokens dispatch: its rows are not
+    the rows received."""
+    rank_prefix_matrix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, _ = handle
     num_ranks, num_channels = channel_prefix.shape
     prefix = torch.zeros(num_ranks + 1, dtype=torch.int32, device=in_rank.device)
     prefix[1:] = rank_prefix_matrix[:, rank]
@@ -626,8 +628,11 @@ def plan_from_handle(handle, rank: int, read_shares: bool) -> _Plan:
     push_row0 = (rank_prefix_matrix[rank - 1] if rank else torch.zeros_like(rank_prefix_matrix[0])).to(torch.int32)
     combine_row0 = counts[:, :rank].sum(dim=1).to(torch.int32)
     shares = (None, None)
-    if read_shares:   # most rows any rank receives, most any rank sends
-        shares = tuple(int(v) for v in torch.stack([rank_prefix_matrix[-1].max(), counts.sum(dim=1).max()]).tolist())
+    if read_shares:   # most rows any rank receives, most any rank sends; rows this rank received
+        most_received, most_sent, received = torch.stack(
+            [rank_prefix_matrix[-1].max(), counts.sum(dim=1).max(), rank_prefix_matrix[-1, rank]]).tolist()
+        if received == recv_src_idx.shape[0]:
+            shares = (int(most_received), int(most_sent))
     return _Plan(_before(in_rank), (ends - recv_channel_prefix).to(torch.int32),
                  (prefix[:num_ranks].view(num_ranks, 1) + recv_channel_prefix).to(torch.int32), prefix, push_row0,
                  combine_row0, num_channels, *shares)

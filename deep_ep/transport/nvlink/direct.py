@@ -77,7 +77,7 @@ def rows_arrived(ptrs, mark, peers):
 
 @triton.jit
 def copy_out(own, low0, low1, high0, high1, slot_word, slot_words, capacity, out_x_ptr, out_scales_ptr, out_idx_ptr,
-             out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, to, xo, so, ko, XW: tl.constexpr,
+             out_weights_ptr, out_src_ptr, num_rows, expert_begin, experts_per_rank, to, xo, so, ko, XW: tl.constexpr,
              SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, ID_OFF: tl.constexpr, BLOCK_X: tl.constexpr,
              BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
     """Output rows [low0, low1) and [high0, high1) from the slots of the same numbers into the outputs."""
@@ -91,8 +91,8 @@ def copy_out(own, low0, low1, high0, high1, slot_word, slot_words, capacity, out
         x, scales, ids, weights, tokens = load_slots(slots, live, xo, so, ko, XW, SW, K, HAS_W, ID_OFF, BLOCK_X,
                                                      BLOCK_S, BLOCK_K, ROWS)
         store_outputs(rows, live, x, scales, ids, weights, tokens, out_x_ptr, out_scales_ptr, out_idx_ptr,
-                      out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, xo, so, ko, XW, SW, K, HAS_W,
-                      BLOCK_X)
+                      out_weights_ptr, out_src_ptr, num_rows, expert_begin, experts_per_rank, xo, so, ko, XW, SW, K,
+                      HAS_W, BLOCK_X)
 
 
 @triton.jit
@@ -162,8 +162,8 @@ def direct_dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr,
                     b = lane(bases, ro, s)
                     copy_out(own, b + lane(front, ro, s), b + lane(new_front, ro, s), b + lane(new_back, ro, s),
                              b + lane(back, ro, s), slot_word, slot_words, capacity, out_x_ptr, out_scales_ptr,
-                             out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, to, xo, so, ko,
-                             XW, SW, K, HAS_W, ID_OFF, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
+                             out_idx_ptr, out_weights_ptr, out_src_ptr, num_rows, expert_begin, experts_per_rank, to,
+                             xo, so, ko, XW, SW, K, HAS_W, ID_OFF, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
             front = new_front
             back = new_back
             remaining = tl.sum(back - front)
@@ -252,10 +252,11 @@ def direct_combine_kernel(x_ptr, weights_ptr, in_rank_ptr, before_ptr, recv_coun
                     for v in range(stage_first, stage_first + n, ROWS):
                         live = v + to < stage_first + n
                         rows = (x_row0 + v + to).to(tl.int64)
+                        in_x = live & (rows < num_rows)   # num_worst_tokens: rows past x were dropped
                         tile = tl.load(x_ptr + rows[:, None] * H + ho[None, :],
-                                       mask=live[:, None] & (ho[None, :] < H), other=0.0)
+                                       mask=in_x[:, None] & (ho[None, :] < H), other=0.0)
                         weights = tl.load(weights_ptr + rows[:, None] * K + ko[None, :],
-                                          mask=live[:, None] & (ko[None, :] < K), other=0.0)
+                                          mask=in_x[:, None] & (ko[None, :] < K), other=0.0)
                         slots = peer + 4 * (slot_word + ((slot0 + v + to) % capacity) * slot_words)
                         store_combine_slots(slots, live, tile, weights, ho, ko, H, K, X_OFF, BLOCK_H)
             sent += step

@@ -35,10 +35,11 @@ OWN_STEP = tl.constexpr(4)   # tiles of own tokens a receiver copies between two
 
 @triton.jit
 def store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr, out_scales_ptr, out_idx_ptr,
-                  out_weights_ptr, out_src_ptr, expert_begin, experts_per_rank, xo, so, ko, XW: tl.constexpr,
+                  out_weights_ptr, out_src_ptr, num_rows, expert_begin, experts_per_rank, xo, so, ko, XW: tl.constexpr,
                   SW: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_X: tl.constexpr):
-    """Received rows (where `keep`) into the outputs: ids of other ranks' experts become -1, their weights 0."""
-    keep = keep & (rows >= 0)   # rows come from the plan; never write outside the outputs
+    """Received rows (where `keep`) into the outputs: ids of other ranks' experts become -1, their weights 0.
+    Rows from `num_rows` on are dropped (num_worst_tokens smaller than what arrives)."""
+    keep = keep & (rows >= 0) & (rows < num_rows)   # rows come from the plan; never write outside the outputs
     rows64 = rows.to(tl.int64)[:, None]
     keep2 = keep[:, None]
     tl.store(row_pointers(out_x_ptr.to(tl.int64) + rows.to(tl.int64) * (4 * XW), xo, tl.int32, BLOCK_X), x,
@@ -135,9 +136,9 @@ def push_tokens(tokens, live, x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_p
         if d == rank:
             if OWN:
                 rows = self_row0 + position
-                store_outputs(rows, keep & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
-                              out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
-                              experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
+                store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr,
+                              out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, num_rows,
+                              expert_begin, experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
         else:
             index = (lane(index0, ro, d) + position) % modulo
             slots = tl.load(bases_ptr + d) + 4 * (lane(regions, ro, d) + index * slot_words)
@@ -223,9 +224,9 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                             x, scales, ids, weights, tokens = load_slots(slots, live, xo, so, ko, XW, SW, K, HAS_W,
                                                                          ID_OFF, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
                             rows = row0 + i + to
-                            store_outputs(rows, live & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
-                                           out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
-                                           experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
+                            store_outputs(rows, live, x, scales, ids, weights, tokens, out_x_ptr,
+                                           out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, num_rows,
+                                           expert_begin, experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
                 taken += avail
                 publish(head_ptrs, recvd0 + taken, peers)
                 remaining = tl.sum(count - taken)
@@ -240,9 +241,9 @@ def dispatch_kernel(x_ptr, scales_ptr, idx_ptr, weights_ptr, in_rank_ptr, before
                     x, scales, ids, weights = load_tokens(tokens, keep, x_ptr, scales_ptr, idx_ptr, weights_ptr, xo,
                                                            so, ko, XW, SW, K, HAS_W, BLOCK_X, BLOCK_S, BLOCK_K, ROWS)
                     rows = self_row0 + tl.load(before_ptr + t64 * R + rank, mask=live, other=0)
-                    store_outputs(rows, keep & (rows < num_rows), x, scales, ids, weights, tokens, out_x_ptr,
-                                   out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, expert_begin,
-                                   experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
+                    store_outputs(rows, keep, x, scales, ids, weights, tokens, out_x_ptr,
+                                   out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, num_rows,
+                                   expert_begin, experts_per_rank, xo, so, ko, XW, SW, K, HAS_W, BLOCK_X)
                 own_next = tl.minimum(own_next + OWN_STEP * ROWS, own_end)
                 start = clock_ns()
                 idle = tl.zeros([], tl.int32)
