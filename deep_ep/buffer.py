@@ -555,7 +555,8 @@ class Buffer:
         self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._transport.check_low_latency_errors()
         half = self._slots.next_free("low_latency_dispatch")
-        options = LowLatencyOptions(use_fp8, round_scale, use_ue8m0)
+        # (BF16 ignores round_scale and use_ue8m0: ranks may differ in them)
+        options = LowLatencyOptions(use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0)
         check_values = self._low_latency_check_values(topk_idx, num_experts)
 
         def launch():

@@ -417,7 +417,8 @@ def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optio
         out = buffer.dispatch(dev(me.x), handle=copied, config=dispatch_config)
         chk.x_equal("cached dispatch through a copied handle recv_x", out[0], expected.recv_x)
 
-    # ---- combine: random per-rank inputs, with/without top-k weights, bias None / one / two
+    # ---- combine: random per-rank inputs, with/without top-k weights, bias None / one / two / by rank (the
+    # bias is each rank's own: ranks may differ in passing it)
     for j, bias_mode in enumerate(case.get("biases", ["none"])):
         ys, yws = [], []
         for g in range(num_ranks):
@@ -432,7 +433,8 @@ def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optio
         negative_zero = torch.rand(me.num_tokens, hidden, generator=gen) < 0.1
         for one in b:
             one[negative_zero] = -0.0
-        bias = {"none": None, "one": b[0], "two": (b[0], b[1])}[bias_mode]
+        bias = {"none": None, "one": b[0], "two": (b[0], b[1]),
+                "by rank": [None, b[0], (b[0], b[1])][rank % 3]}[bias_mode]
         exp_x, exp_w = model.combine(rank, me.layout.is_token_in_rank, rows_of, ys, yws if use_w else None, bias,
                                      ranks_per_node)
         kw, is_async = event_kwargs(mode, chk.last_event)
@@ -478,7 +480,7 @@ def run_case(ctx, buffer, seed: int, case: Dict[str, Any], ranks_per_node: Optio
 # ---------------------------------------------------------------------------------------------------
 # cases
 # ---------------------------------------------------------------------------------------------------
-ALL_BIASES = ["none", "one", "two"]
+ALL_BIASES = ["none", "one", "two", "by rank"]
 
 CASES_2 = [
     dict(name="2r-bf16-worst-cached-biases", tokens=[37, 64], hidden=128, topk=4, experts_per_rank=8, x="bf16",

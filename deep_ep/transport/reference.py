@@ -435,9 +435,8 @@ class ReferenceTransport(Transport):
         num_tokens = is_token_in_rank.shape[0]
         route = self._route_of(handle)
         topk = -1 if topk_weights is None else topk_weights.shape[1]
-        num_biases = sum(b is not None for b in biases)
-        self._agree_on_route("combine", dict(hidden=x.shape[1], topk=topk, num_biases=num_biases,
-                                             num_channels=num_channels), route)
+        # (the biases are this rank's own, added after the exchange: ranks may differ in passing them)
+        self._agree_on_route("combine", dict(hidden=x.shape[1], topk=topk, num_channels=num_channels), route)
         recv_per_source, send_back = route.recv_splits, route.send_splits
         num_recv = sum(recv_per_source)
         # the rows go back as they are (already grouped by source rank), the weights in a second exchange
@@ -484,6 +483,11 @@ class ReferenceTransport(Transport):
         return combined.to(torch.bfloat16), combined_weights
 
     # ---- low-latency --------------------------------------------------------------------------------------
+    def clean_low_latency(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
+        # every rank that takes part restarts its call count, so that a rank that made no calls while masked
+        # (shrink mode) agrees with the others again once the masks are cleared and the buffer cleaned
+        self._call_number = 0
+
     def _roll_call(self, what: str, mask: Optional[torch.Tensor]):
         """Shrink mode: mask the ranks that do not reach this call within the timeout (Group.mask_absent).
         Returns the mask as of this call (a copy, also for its receive hook), the mask whose unmasked ranks the

@@ -576,6 +576,7 @@ class NVLinkTransport(Transport):
         return self.reference.low_latency_combine(*args, **kwargs)
 
     def clean_low_latency(self, num_max_tokens, hidden, num_experts) -> None:
+        self.reference.clean_low_latency(num_max_tokens, hidden, num_experts)
         if self.low_latency is not None:
             self.low_latency.clean(num_max_tokens, hidden, num_experts)
 
