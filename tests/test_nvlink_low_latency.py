@@ -154,6 +154,7 @@ LL_SWEEP = [  # tokens 0/1/128/512/1024, hidden 2048/2880/4096/7168, top-k 1/8/3
 MANY_RANKS_TOP32 = dict(LL_SWEEP[1], name="h4096-top32-skewed-bf16-n128", tokens=[128, 100], N=128)
 
 
+@pytest.mark.timeout(960)   # (the ranks' own limit below is 900 s)
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_ll_nvlink_matches_reference(pool, world_size):
     seed = base_seed()
@@ -255,6 +256,7 @@ def run_graph(ctx, seed: int, replays: int, hook: bool, few_tokens: bool = False
     return result
 
 
+@pytest.mark.timeout(960)   # (the ranks' own limit below is 900 s)
 @pytest.mark.parametrize("hook,few_tokens", [(False, False), (True, False), (False, True)],
                          ids=["plain", "hooks", "fused-few-tokens"])
 def test_ll_nvlink_cuda_graph_replays(pool, hook, few_tokens):
