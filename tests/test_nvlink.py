@@ -636,6 +636,15 @@ def run_errors(ctx) -> Dict[str, str]:
     combined = tiny.combine(recv_x, handle, config=config)[0]
     out["too_small_after"] = str(bool(torch.equal(combined, (2 * x.float()).to(torch.bfloat16))))
     tiny.destroy()
+    # more channels than the transport's counters hold: a ValueError naming num_sms, before anything is sent
+    try:
+        buffer.dispatch(x, **kwargs, config=Config(130, 4, 16))
+        out["too_many_sms"] = "no error"
+    except ValueError as error:
+        out["too_many_sms"] = "ValueError: " + str(error)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **kwargs)
+    out["too_many_sms_after"] = str(bool(torch.equal(buffer.combine(recv_x, handle)[0],
+                                                     (2 * x.float()).to(torch.bfloat16))))
     # a peer that never comes: rank 0 waits, gives up after timeout_s with an error naming rank and peer
     if ctx.rank == 0:
         try:
@@ -664,5 +673,8 @@ def test_nvlink_errors(pool):
         assert r["after"] == "True", f"rank {rank}: the Buffer is broken after refused calls"
         assert r["too_small"].startswith("ValueError") and "num_nvl_bytes=131072" in r["too_small"], r["too_small"]
         assert r["too_small_after"] == "True", f"rank {rank}: a shape that fits failed after the refused one"
+        assert r["too_many_sms"].startswith("ValueError") and "num_sms must be <= 128" in r["too_many_sms"], \
+            r["too_many_sms"]
+        assert r["too_many_sms_after"] == "True", f"rank {rank}: the Buffer is broken after a refused num_sms"
     assert "rank 0" in results[0]["timeout"] and "rank 1" in results[0]["timeout"], results[0]["timeout"]
     assert results[0]["timeout"].startswith("CommTimeoutError"), results[0]["timeout"]
