@@ -138,7 +138,7 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]]) -> List[str]:
     return errors
 
 
-LL_SWEEP = [  # tokens 0/1/128/512/1024, hidden 2048/2880/4096/7168, top-k 1/8/32, skewed, masked, duplicates
+LL_SWEEP = [  # tokens 0/1/128/512/1024, hidden 2048/2880/4096/7168/8320, top-k 1/8/32, skewed, masked, dups
     dict(name="deepseek-decode-fp8", tokens=[128, 128], N=128, hidden=7168, topk=8, experts=288, fp8=True),
     dict(name="h4096-top32-skewed-bf16", tokens=[512, 300], N=512, hidden=4096, topk=32, experts=64,
          routing="skewed", mask_frac=0.1),
@@ -149,6 +149,9 @@ LL_SWEEP = [  # tokens 0/1/128/512/1024, hidden 2048/2880/4096/7168, top-k 1/8/3
     dict(name="h7168-top32-duplicates-bf16", tokens=[64, 37], N=64, hidden=7168, topk=32, experts=32,
          routing="dup"),
     dict(name="n1024-fp8", tokens=[1024, 1000], N=1024, hidden=2048, topk=8, experts=64, fp8=True),  # the most tokens
+    # wider than 8192 and not a power of two: 65 scale groups, 17 packed ue8m0 words with one group in the last
+    dict(name="h8320-top8-ue8m0", tokens=[32, 5], N=32, hidden=8320, topk=8, experts=16, fp8=True, round_scale=True,
+         ue8m0=True, mask_frac=0.1),
 ]
 # at 4 and 8 ranks (several per GPU): the second case's top-32 skewed routing at a size their buffers hold
 MANY_RANKS_TOP32 = dict(LL_SWEEP[1], name="h4096-top32-skewed-bf16-n128", tokens=[128, 100], N=128)
