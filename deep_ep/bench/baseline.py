@@ -118,22 +118,35 @@ class Baseline:
         return out.to(torch.bfloat16)
 
 
-def copy_engine_peer_gbps(device: torch.device) -> Optional[float]:
-    """The ceiling: a 1 GiB cudaMemcpy from this GPU to the next one (copy engine, no SMs), GB/s, timed on the
-    host with both GPUs synchronised (events of one device do not bracket work the copy puts on the other)."""
+def copy_engine_peer_gbps(device: torch.device) -> Optional[Tuple[float, Optional[float]]]:
+    """The ceiling: 1 GiB cudaMemcpys between this GPU and the next one (copy engines, no SMs), GB/s per
+    direction: one way alone, and both ways at once (as dispatch and combine move rows: every rank sends while
+    it receives). Timed on the host with both GPUs synchronised (events of one device do not bracket work the
+    copy puts on the other); median of 5 after one left out."""
     if device.type != "cuda" or torch.cuda.device_count() < 2:
         return None
     peer = torch.device("cuda", (device.index + 1) % torch.cuda.device_count())
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty(1 << 30, dtype=torch.uint8, device=peer)
-    times = []
-    for _ in range(4):
-        torch.cuda.synchronize(device)
-        torch.cuda.synchronize(peer)
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize(device)
-        torch.cuda.synchronize(peer)
-        times.append(time.perf_counter() - start)
-    return src.numel() / 1e9 / statistics.median(times[1:])
+    here, there = (torch.empty(1 << 30, dtype=torch.uint8, device=d) for d in (device, peer))
+    here_in, there_in = (torch.empty(1 << 30, dtype=torch.uint8, device=d) for d in (device, peer))
+    streams = (torch.cuda.Stream(device), torch.cuda.Stream(peer))
 
+    def seconds(both_ways: bool) -> float:
+        times = []
+        for _ in range(6):
+            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(peer)
+            start = time.perf_counter()
+            with torch.cuda.stream(streams[0]):
+                there_in.copy_(here, non_blocking=True)
+            if both_ways:
+                with torch.cuda.stream(streams[1]):
+                    here_in.copy_(there, non_blocking=True)
+            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(peer)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    one_way, both_ways = seconds(False), seconds(True)
+    if both_ways > 1.9 * one_way:   # the two copies ran one after the other: no figure rather than a wrong one
+        return here.numel() / 1e9 / one_way, None
+    return here.numel() / 1e9 / one_way, here.numel() / 1e9 / both_ways

@@ -91,9 +91,9 @@ class RankContext:
 
     def time(self, fn: Callable[[], Any]) -> Dict[str, List[float]]:
         """Seconds per call, after warm-up calls, several ways:
-        `streamed`: calls back to back, each bracketed by events on the current stream, with DeepEP's L2 flush
-          (256 MB zeroed) enqueued before each call, as DeepEP's own benchmark does: the GPU is busy with the
-          flush while the host prepares the call, so host work overlaps the GPU as in a model's forward pass;
+        `streamed`: DeepEP's own benchmark (tests/utils.py `bench`): one L2 flush (256 MB zeroed), then calls
+          back to back, each bracketed by events on the current stream, the first left out; a call whose host
+          work takes longer than its GPU work shows the host's pace;
         `host`: host seconds of each of those calls (the Python and launch cost of the API);
         `kernel` (GPU): GPU busy time per call from torch.profiler (the union of the kernels' and copies'
           intervals, flushes excluded), the figure DeepEP's newer tests report;
@@ -122,15 +122,17 @@ class RankContext:
 
     def _series(self, fn: Callable[[], Any], barrier_each: bool) -> Tuple[List[float], List[float]]:
         """Seconds of each of `iters` calls, events around each call (GPU) or the host clock (CPU), and the
-        host seconds of each call."""
+        host seconds of each call. Back to back (not `barrier_each`): one flush first, and one call more whose
+        times are left out (it may start behind the flush), as DeepEP's benchmark does."""
         host: List[float] = []
         events = []
-        for _ in range(self.plan["iters"]):
+        skip = int(not barrier_each)
+        if self.is_cuda and not barrier_each:
+            self._flush()
+        for _ in range(self.plan["iters"] + skip):
             if barrier_each:
                 self.barrier()
             if self.is_cuda:
-                if not barrier_each:
-                    self._flush()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             t0 = time.perf_counter()
@@ -139,10 +141,11 @@ class RankContext:
             if self.is_cuda:
                 end.record()
                 events.append((start, end))
-        if not self.is_cuda:
-            return host, host
-        self.sync()
-        return [start.elapsed_time(end) / 1e3 for start, end in events], host
+        elapsed = host
+        if self.is_cuda:
+            self.sync()
+            elapsed = [start.elapsed_time(end) / 1e3 for start, end in events]
+        return elapsed[skip:], host[skip:]
 
     def _kernel_series(self, fn: Callable[[], Any]) -> Tuple[List[float], Dict[str, float]]:
         """GPU busy seconds per call over `iters` calls, each after a flush (profiled; flushes left out), and

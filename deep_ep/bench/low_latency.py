@@ -144,8 +144,8 @@ def bench_low_latency(ctx: RankContext, results: Dict[str, Any], info: Dict[str,
             ll_bf16_bytes, ctx.time(lambda: base.ll_combine(base_out, topk_weights, base_state)))
     del out, expert_out, handle, combined
     if device.type == "cuda" and buffer.transport_name == "nvlink":
-        _bench_low_latency_graphs(ctx, results, buffer, base, x, topk_idx, topk_weights, check_ll_combine,
-                                  ll_dispatch_bytes_fp8, ll_bf16_bytes)
+        _bench_low_latency_graphs(ctx, results, buffer, base, x, topk_idx, topk_weights, check_ll_dispatch,
+                                  check_ll_combine, ll_dispatch_bytes_fp8, ll_bf16_bytes)
     ctx.barrier()
     buffer.destroy()
 
@@ -159,20 +159,35 @@ def _identity_expert_outputs(recv: Tuple[torch.Tensor, torch.Tensor]) -> torch.T
         .to(torch.bfloat16).view(data.shape)
 
 
-def _capture(fn: Callable[[], Any]) -> "torch.cuda.CUDAGraph":
-    """`fn` captured in a CUDA graph (run once eagerly first: kernels compile outside the capture)."""
+def _capture(fn: Callable[[], Any]) -> Tuple["torch.cuda.CUDAGraph", Any]:
+    """`fn` captured in a CUDA graph (run once eagerly first: kernels compile outside the capture), and what
+    the captured call returned (the tensors every replay writes)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        captured = fn()
     torch.cuda.synchronize()
-    return graph
+    return graph, captured
+
+
+def _replay_into_garbage(graph: "torch.cuda.CUDAGraph", outputs: List[torch.Tensor]) -> None:
+    """Fill the graph's outputs with garbage, then replay it once: a check afterwards sees what the replay
+    wrote, not what the eager call or the capture left there."""
+    for t in outputs:
+        if t.element_size() == 1:
+            t.view(torch.uint8).fill_(0x7F)   # (NaN as float8 e4m3fn)
+        elif t.is_floating_point():
+            t.fill_(float("nan"))
+        else:
+            t.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
 
 
 def _bench_low_latency_graphs(ctx: RankContext, results: Dict[str, Any], buffer, base: "Baseline", x: torch.Tensor,
-                              topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_combine: Callable,
-                              dispatch_bytes: int, combine_bytes: int) -> None:
+                              topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_dispatch: Callable,
+                              check_combine: Callable, dispatch_bytes: int, combine_bytes: int) -> None:
     """Decode as serving engines run it: FP8 dispatch and BF16 combine replayed from CUDA graphs (also with one
     token per rank), and the two phases of a dispatch with a receive hook. Baseline: one all_to_all_single
     of a padded buffer each way."""
@@ -191,13 +206,16 @@ def _bench_low_latency_graphs(ctx: RankContext, results: Dict[str, Any], buffer,
         out = torch.empty((tokens, H), dtype=torch.bfloat16, device=x.device)
         recv, _, handle, _, _ = buffer.low_latency_dispatch(xs, idx, N, E, use_fp8=True)
         experts = _identity_expert_outputs(recv)   # the expert outputs the combine graphs send back
-        dispatch_graph = _capture(lambda: buffer.low_latency_dispatch(xs, idx, N, E, use_fp8=True))
-        combine_graph = _capture(lambda: buffer.low_latency_combine(experts, idx, weights, handle, out=out))
-        combine_graph.replay()
-        torch.cuda.synchronize()
+        dispatch_graph, captured = _capture(lambda: buffer.low_latency_dispatch(xs, idx, N, E, use_fp8=True))
+        combine_graph, _ = _capture(lambda: buffer.low_latency_combine(experts, idx, weights, handle, out=out))
+        full = tokens == N
+        if full:   # (check_dispatch expects every rank's N tokens)
+            (data, scales), count, (src_info, layout_range) = captured[0], captured[1], captured[2][:2]
+            _replay_into_garbage(dispatch_graph, [data, scales, count, src_info, layout_range])
+            check_dispatch("LL dispatch FP8 replayed from a CUDA graph", captured, True)
+        _replay_into_garbage(combine_graph, [out])
         expected = xs.float() * torch.where(idx >= 0, weights, torch.zeros_like(weights)).sum(1, keepdim=True)
         check_combine(f"LL combine replayed from a CUDA graph ({tokens} tokens)", out, 9e-4, expected)
-        full = tokens == N
         record(results, f"ll_dispatch_{suffix}", ctx.time(dispatch_graph.replay), dispatch_bytes if full else None,
                 padded_dispatch if full else None)
         record(results, f"ll_combine_{suffix}", ctx.time(combine_graph.replay), combine_bytes if full else None,
@@ -206,7 +224,9 @@ def _bench_low_latency_graphs(ctx: RankContext, results: Dict[str, Any], buffer,
             def round_trip() -> None:
                 received, _, h, _, _ = buffer.low_latency_dispatch(xs, idx, N, E, use_fp8=True)
                 buffer.low_latency_combine(experts, idx, weights, h, out=out)
-            round_trip_graph = _capture(round_trip)
+            round_trip_graph, _ = _capture(round_trip)
+            _replay_into_garbage(round_trip_graph, [out])
+            check_combine("LL dispatch + combine replayed from a CUDA graph", out, 9e-4, expected)
             both = {k: [a + b for a, b in zip(padded_dispatch[k], padded_combine[k])] for k in padded_dispatch}
             record(results, "ll_round_trip_graph", ctx.time(round_trip_graph.replay), dispatch_bytes + combine_bytes,
                     both)
@@ -215,29 +235,39 @@ def _bench_low_latency_graphs(ctx: RankContext, results: Dict[str, Any], buffer,
                                                                           return_recv_hook=True)[4])
     record(results, "ll_send_phase", send, dispatch_bytes)
     record(results, "ll_recv_phase", receive, None)
+    recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, N, E, use_fp8=True)
+    experts = _identity_expert_outputs(recv)
+    send, receive = _hook_phases(ctx, lambda: buffer.low_latency_combine(experts, topk_idx, topk_weights, handle,
+                                                                         return_recv_hook=True)[2])
+    record(results, "ll_combine_send_phase", send, combine_bytes)
+    record(results, "ll_combine_recv_phase", receive, None)
+
+
+# GPU cycles slept before each phase (about 1 ms): the host's work for the call is done meanwhile, and before
+# the receive phase the peers' rows have landed, so each phase times its kernels, as DeepEP's kernel durations do
+_HIDE_HOST_CYCLES = 2_000_000
 
 
 def _hook_phases(ctx: RankContext, send: Callable[[], Callable[[], None]]) -> Tuple[Dict[str, List[float]], ...]:
-    """Seconds of the send call and of its hook, each bracketed by events, calls back to back (streamed) and
-    after a barrier (isolated)."""
+    """GPU seconds of the send call and of its hook, each bracketed by events behind a GPU sleep (so neither
+    includes host time or a wait for a later peer), every pair after a barrier."""
     for _ in range(ctx.plan["warmup"]):
         send()()
-    phases: Dict[str, Dict[str, List[float]]] = dict(send={}, receive={})
-    for kind, barrier_each in (("isolated", True), ("streamed", False)):
-        events = []
-        for _ in range(ctx.plan["iters"]):
-            if barrier_each:
-                ctx.barrier()
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-            marks[0].record()
-            hook = send()
-            marks[1].record()
-            marks[2].record()
-            hook()
-            marks[3].record()
-            events.append(marks)
-        ctx.sync()
-        phases["send"][kind] = [m[0].elapsed_time(m[1]) / 1e3 for m in events]
-        phases["receive"][kind] = [m[2].elapsed_time(m[3]) / 1e3 for m in events]
+    events = []
+    for _ in range(ctx.plan["iters"]):
         ctx.barrier()
-    return phases["send"], phases["receive"]
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        torch.cuda._sleep(_HIDE_HOST_CYCLES)
+        marks[0].record()
+        hook = send()
+        marks[1].record()
+        torch.cuda._sleep(_HIDE_HOST_CYCLES)
+        marks[2].record()
+        hook()
+        marks[3].record()
+        events.append(marks)
+    ctx.sync()
+    ctx.barrier()
+    send_times = [m[0].elapsed_time(m[1]) / 1e3 for m in events]
+    receive_times = [m[2].elapsed_time(m[3]) / 1e3 for m in events]
+    return dict(streamed=send_times, isolated=send_times), dict(streamed=receive_times, isolated=receive_times)

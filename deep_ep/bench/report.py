@@ -22,6 +22,8 @@ OPS = [
     ("ll_round_trip_graph", "LL disp+comb graph", "low-latency"),
     ("ll_send_phase", "LL dispatch send/hook", "low-latency"),
     ("ll_recv_phase", "LL dispatch hook()", "low-latency"),
+    ("ll_combine_send_phase", "LL combine send/hook", "low-latency"),
+    ("ll_combine_recv_phase", "LL combine hook()", "low-latency"),
     ("ll_dispatch_1_token", "LL 1-token dispatch", "low-latency"),
     ("ll_combine_1_token", "LL 1-token combine", "low-latency"),
 ]
@@ -63,13 +65,16 @@ def summarise(plan: Dict[str, Any], result: Dict[str, Any], wall_s: float) -> Di
                   tokens=plan["tokens"], hidden=plan["hidden"], topk=plan["topk"], experts=plan["experts"],
                   ll_tokens=plan["ll_tokens"], ll_experts=plan["ll_experts"],
                   num_sms=info.get("num_sms", plan["num_sms"]), nvl_bytes=info.get("nvl_bytes"),
-                  copy_engine_peer_gbps=info.get("copy_engine_peer_gbps"), warmup=plan["warmup"], iters=plan["iters"],
+                  copy_engine_peer_gbps=info.get("copy_engine_peer_gbps"),
+                  copy_engine_peer_gbps_both_ways=info.get("copy_engine_peer_gbps_both_ways"),
+                  warmup=plan["warmup"], iters=plan["iters"],
                   seed=plan["seed"], torch=torch.__version__)
     return dict(ok=True, config=config, ops=ops,
                 verification=dict(passed=True, checks=result["checks"]),
-                units=dict(time="microseconds, median over iters of calls back to back, each after an L2 flush "
-                                "(rank 0 unless stated); isolated_us: each call after a barrier; host_us: host time "
-                                "of a call; kernel_us: GPU busy time per call (profiler)",
+                units=dict(time="microseconds, median over iters of calls back to back after one L2 flush, "
+                                "the first call left out, as DeepEP's benchmark times them (rank 0 unless stated); "
+                                "isolated_us: each call after a barrier; host_us: host time of a call; kernel_us: "
+                                "GPU busy time per call (profiler)",
                            bandwidth="GB/s = DeepEP logical bytes / 1e9 / time"),
                 wall_s=round(wall_s, 3))
 
@@ -84,14 +89,16 @@ def format_table(report: Dict[str, Any]) -> str:
     if "low-latency" in c["modes"]:
         lines.append(f"  low-latency: {c['ll_tokens']} tokens/rank, hidden {c['hidden']}, top-{c['topk']}, "
                      f"{c['ll_experts']} experts")
-    flush = ", each after an L2 flush (DeepEP's method)" if c["device"] == "cuda" else ""
+    flush = " and one L2 flush, first call left out (DeepEP's method)" if c["device"] == "cuda" else ""
     lines.append(f"  time: median of {c['iters']} calls back to back after {c['warmup']} warm-up{flush}, rank 0 (max "
                  "over ranks in brackets); kernel: GPU busy time per call (profiler, max over ranks); host: host "
                  "time of a call; isolated: calls each after a barrier")
     lines.append("  GB/s: DeepEP's logical bytes / 1e9 / time; baseline: permute + all_to_all_single, back to back")
     if c.get("copy_engine_peer_gbps"):
-        lines.append(f"  ceiling: copy engine to the peer GPU {c['copy_engine_peer_gbps']:.0f} GB/s; link GB/s = bytes "
-                     "sent to other ranks / time")
+        both = c.get("copy_engine_peer_gbps_both_ways")
+        both = f"{both:.0f} GB/s" if both else "not measured (the two copies did not overlap)"
+        lines.append(f"  ceiling: copy engine to the peer GPU {c['copy_engine_peer_gbps']:.0f} GB/s one way alone, "
+                     f"per direction both ways at once {both}; link GB/s = bytes sent to other ranks / time")
     header = ("operation", "time us", "(max rank)", "kernel us", "host us", "isolated us", "GB/s", "link GB/s",
               "baseline us", "base GB/s", "ours/baseline")
     widths = (22, 9, 11, 10, 9, 12, 9, 10, 12, 10, 14)
