@@ -1,5 +1,6 @@
 """Low-latency kernel times on one rank: each call's send and receive kernel, from torch.profiler over
-CUDA-graph replays of dispatch (FP8) + combine, and the replayed round trip timed with CUDA events.
+CUDA-graph replays of dispatch (FP8) + combine, and the replayed round trip timed with CUDA events (behind a
+short GPU sleep, so that the graph's launch latency on the host is hidden, as behind a model's earlier work).
 
   python benchmarks/ll_kernel_times.py [--tokens 128 1] [--hidden 7168] [--topk 8] [--experts 288]
 
@@ -46,6 +47,7 @@ def _time_one(buffer: Buffer, tokens: int, hidden: int, topk: int, experts: int,
     times = []
     for _ in range(replays):   # timed before the profiler runs: its hooks add to every launch
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200_000)   # (~0.1 ms: the graph's launch is queued behind it, as in a model's decode step)
         start.record()
         graph.replay()
         end.record()
