@@ -522,6 +522,45 @@ def test_ll_nvlink_errors(pool):
     assert float(results[0]["two_queued_seconds"]) < 4.5, results[0]["two_queued_seconds"]
 
 
+def run_ll_combine_timeout(ctx) -> Dict[str, str]:
+    """Both ranks dispatch, then only rank 0 combines: its receive gives up after timeout_s, and its next call
+    raises CommTimeoutError naming the rank and what it waited for."""
+    import deep_ep
+    from deep_ep import Buffer
+    out: Dict[str, str] = {}
+    n, hidden, num_experts = 8, 256, 8
+    buffer = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, 2, num_experts),
+                    low_latency_mode=True, transport="nvlink", explicitly_destroy=True, timeout_s=3)
+    x = torch.randn(n, hidden, device=ctx.device).to(torch.bfloat16)
+    idx = torch.tensor([[0, 5]] * n, dtype=torch.int64, device=ctx.device)   # an expert on each rank
+    weights = torch.ones((n, 2), dtype=torch.float32, device=ctx.device)
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+    torch.cuda.synchronize()
+    if ctx.rank == 0:
+        start = time.monotonic()
+        buffer.low_latency_combine(recv_x, idx, weights, handle)
+        torch.cuda.synchronize()
+        out["seconds"] = f"{time.monotonic() - start:.3f}"
+        try:
+            buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+            out["timeout"] = "no error"
+        except deep_ep.CommTimeoutError as error:
+            out["timeout"] = "CommTimeoutError: " + str(error)
+    return out
+
+
+def test_ll_nvlink_combine_timeout_names_the_peer(pool):
+    from dist_utils import get_pool
+    try:
+        results = pool(2).run(run_ll_combine_timeout, timeout=120)
+    finally:
+        get_pool(2).restart()   # rank 0's Buffer is broken after the timeout
+    timeout = results[0]["timeout"]
+    assert timeout.startswith("CommTimeoutError") and "rank 0" in timeout and "rank 1" in timeout \
+        and "low-latency" in timeout, timeout
+    assert 2.5 < float(results[0]["seconds"]) < 30, results[0]["seconds"]
+
+
 def run_timeout_seen_by_destroy_or_clean(ctx) -> Dict[str, str]:
     """Rank 0 dispatches alone (rank 1 makes no call), so its GPU wait times out; no later call reports it.
     `destroy()` must see it and release locally (no barrier with a rank that is not coming), and
