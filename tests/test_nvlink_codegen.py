@@ -9,7 +9,7 @@ branch of a waiting kernel depends on what one thread alone saw (the clock, a vo
 """
 import re
 from collections import Counter
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, List, Optional
 
 import pytest
 from dist_utils import SUPPORTED_TRITON
@@ -285,3 +285,32 @@ def test_waits_branch_alike_in_every_thread(case):
     on such a reading unless a reduction over the program (cta_any) has made it one value."""
     kernel, constexprs = _uniformity_cases()[case]
     assert _branches_on_own_views(_ptx(kernel, 4, constexprs)) == []
+
+
+ACQUIRE = re.compile(r"\b(atom|ld)\.[a-z0-9_.:]*acquire")
+GLOBAL_ACCESS = re.compile(r"\b(ld|st)\.global|\bld\.volatile|\batom\.(?!shared)")
+
+
+def _accesses_before_a_barrier(ptx: str) -> List[str]:
+    """Acquiring accesses (atomics, loads) followed by a global access before any CTA barrier."""
+    lines = ptx.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if ACQUIRE.search(line):
+            for later in lines[i + 1:]:
+                if "bar.sync" in later:
+                    break
+                if GLOBAL_ACCESS.search(later):
+                    found.append(f"{line.strip()} then {later.strip()}")
+                    break
+    return found
+
+
+@pytest.mark.parametrize("case", list(_uniformity_cases()))
+def test_acquired_values_reach_other_threads_through_a_barrier(case):
+    """An acquire orders only its own thread's later accesses. A wait's counter is read by one thread per lane
+    and passed to the others; those others may read the rows it guards only after a CTA barrier (which
+    Triton's lowering puts between the atomic's shared-memory store and the others' loads): then the acquire
+    orders their reads too."""
+    kernel, constexprs = _uniformity_cases()[case]
+    assert _accesses_before_a_barrier(_ptx(kernel, 4, constexprs)) == []
