@@ -220,15 +220,15 @@ def test_nvlink_staged_direct_protocol_matches_reference(pool, world_size):
 
 
 # 3 and 8 ranks (several per GPU): the sweep's kinds of case at sizes that many ranks' buffers hold at once, and
-# rings of a few rows (every (source, channel) in many rounds of flow control); 48 experts divide among 3 and 8
-# ranks, and one rank has no tokens
+# rings of a few rows (every (source, channel) in many rounds of flow control) with tokens that list an expert
+# twice; 48 experts divide among 3 and 8 ranks, and one rank has no tokens
 MANY_RANKS = [
     dict(name="many-ranks-h7168-top8", tokens=[1024, 0, 517, 1, 300, 64, 999, 128], hidden=7168, topk=8, experts=48,
          num_sms=24),
     dict(name="many-ranks-h2880-top32-skewed-masked", tokens=[200, 1, 0, 333, 64, 512, 7, 90], hidden=2880, topk=32,
          experts=48, num_sms=16, routing="skewed", mask_frac=0.2),
-    dict(name="many-ranks-small-rings", tokens=[300, 0, 77, 450, 1, 128, 64, 200], hidden=1024, topk=4, experts=48,
-         num_sms=4, ring_tokens=8, mask_frac=0.1),
+    dict(name="many-ranks-small-rings-dup", tokens=[300, 0, 77, 450, 1, 128, 64, 200], hidden=1024, topk=4,
+         experts=48, num_sms=4, ring_tokens=8, routing="dup", mask_frac=0.1),
 ]
 
 
