@@ -582,6 +582,7 @@ def run_stress(ctx, seed: int, iterations: int) -> Dict[str, int]:
     return result
 
 
+@pytest.mark.timeout(660)   # (the ranks' own limit below is 600 s)
 def test_nvlink_stress_10000_iterations(pool):
     seed = base_seed()
     results = pool(2).run(run_stress, seed, STRESS_ITERATIONS, timeout=600)

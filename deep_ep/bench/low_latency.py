@@ -251,7 +251,7 @@ _HIDE_HOST_CYCLES = 2_000_000
 def _hook_phases(ctx: RankContext, send: Callable[[], Callable[[], None]]) -> Tuple[Dict[str, List[float]], ...]:
     """GPU seconds of the send call and of its hook, each bracketed by events behind a GPU sleep (so neither
     includes host time or a wait for a later peer), every pair after a barrier."""
-    for _ in range(ctx.plan["warmup"]):
+    for _ in range(max(1, ctx.plan["warmup"])):   # (at least one: a hook's kernels compile at their first call)
         send()()
     events = []
     for _ in range(ctx.plan["iters"]):
