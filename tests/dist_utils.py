@@ -61,6 +61,16 @@ def run_on_another_thread(fn: Callable[[], Any]) -> Any:
     return returned[0]
 
 
+def outcome(call: Callable[[], Any], expected: type) -> str:
+    """What `call()` came to, as a string a rank can return: "no error", or "<expected's name>: <message>" if it
+    raised `expected` (any other exception propagates)."""
+    try:
+        call()
+    except expected as error:
+        return f"{expected.__name__}: {error}"
+    return "no error"
+
+
 def run_script(script: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
     """Run `script` with this Python, the tests' folder and the checkout on its path and `env` added to the
     environment; its output is captured as text."""

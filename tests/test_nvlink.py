@@ -596,6 +596,7 @@ def test_nvlink_stress_10000_iterations(pool):
 def run_errors(ctx) -> Dict[str, str]:
     import deep_ep
     from deep_ep import Buffer, Config
+    from dist_utils import outcome
     out: Dict[str, str] = {}
     num_tokens, hidden, num_experts = 8, 256, 4
     buffer = Buffer(ctx.group, 1 << 24, 0, transport="nvlink", explicitly_destroy=True, timeout_s=3)
@@ -603,57 +604,41 @@ def run_errors(ctx) -> Dict[str, str]:
     idx = torch.tensor([[0, 2]] * num_tokens, dtype=torch.int64, device=ctx.device)
     layout = buffer.get_dispatch_layout(idx, num_experts)
     kwargs = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
+
+    def round_trip_ok(b, config=None) -> str:
+        """Whether a dispatch and combine on `b` give back every token times its two destination ranks."""
+        recv_x, _, _, _, handle, _ = b.dispatch(x, **kwargs, config=config)
+        return str(bool(torch.equal(b.combine(recv_x, handle, config=config)[0], (2 * x.float()).to(torch.bfloat16))))
+
     # ranks calling with different hidden sizes: ValueError on every rank
     other = x if ctx.rank == 0 else torch.cat([x, x], dim=1)
-    try:
-        buffer.dispatch(other, **kwargs)
-        out["mismatch"] = "no error"
-    except ValueError as error:
-        out["mismatch"] = "ValueError: " + str(error)
+    out["mismatch"] = outcome(lambda: buffer.dispatch(other, **kwargs), ValueError)
     # an expert id out of range in get_dispatch_layout: reported by the next dispatch, on the rank that made it
     bad = idx.clone()
     if ctx.rank == 1:
         bad[3, 1] = num_experts + 5
     bad_layout = buffer.get_dispatch_layout(bad, num_experts)
-    try:
-        buffer.dispatch(x, num_tokens_per_rank=bad_layout[0], is_token_in_rank=bad_layout[3],
-                        num_tokens_per_expert=bad_layout[2])
-        out["bad_expert"] = "no error"
-    except ValueError as error:
-        out["bad_expert"] = "ValueError: " + str(error)
+    out["bad_expert"] = outcome(lambda: buffer.dispatch(x, num_tokens_per_rank=bad_layout[0],
+                                                        is_token_in_rank=bad_layout[3],
+                                                        num_tokens_per_expert=bad_layout[2]), ValueError)
     # the Buffer still works afterwards
-    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **kwargs)
-    out["after"] = str(bool(torch.equal(buffer.combine(recv_x, handle)[0], (2 * x.float()).to(torch.bfloat16))))
+    out["after"] = round_trip_ok(buffer)
     # a buffer too small for this shape's rings: a ValueError at the call on every rank, and a shape it holds
     # still runs on it
     tiny = Buffer(ctx.group, 1 << 17, 0, transport="nvlink", explicitly_destroy=True, timeout_s=60)
-    try:
-        tiny.dispatch(torch.cat([x] * 28, dim=1), **kwargs, config=Config(24, 4, 256))
-        out["too_small"] = "no error"
-    except ValueError as error:
-        out["too_small"] = "ValueError: " + str(error)
-    config = Config(8, 4, 16)
-    recv_x, _, _, _, handle, _ = tiny.dispatch(x, **kwargs, config=config)
-    combined = tiny.combine(recv_x, handle, config=config)[0]
-    out["too_small_after"] = str(bool(torch.equal(combined, (2 * x.float()).to(torch.bfloat16))))
+    out["too_small"] = outcome(lambda: tiny.dispatch(torch.cat([x] * 28, dim=1), **kwargs, config=Config(24, 4, 256)),
+                               ValueError)
+    out["too_small_after"] = round_trip_ok(tiny, Config(8, 4, 16))
     tiny.destroy()
     # more channels than the transport's counters hold: a ValueError naming num_sms, before anything is sent
-    try:
-        buffer.dispatch(x, **kwargs, config=Config(130, 4, 16))
-        out["too_many_sms"] = "no error"
-    except ValueError as error:
-        out["too_many_sms"] = "ValueError: " + str(error)
-    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **kwargs)
-    out["too_many_sms_after"] = str(bool(torch.equal(buffer.combine(recv_x, handle)[0],
-                                                     (2 * x.float()).to(torch.bfloat16))))
+    out["too_many_sms"] = outcome(lambda: buffer.dispatch(x, **kwargs, config=Config(130, 4, 16)), ValueError)
+    out["too_many_sms_after"] = round_trip_ok(buffer)
     # a peer that never comes: rank 0 waits, gives up after timeout_s with an error naming rank and peer
     if ctx.rank == 0:
-        try:
+        def dispatch_alone() -> None:
             buffer.dispatch(x, **kwargs)
             torch.cuda.synchronize()
-            out["timeout"] = "no error"
-        except deep_ep.CommTimeoutError as error:
-            out["timeout"] = "CommTimeoutError: " + str(error)
+        out["timeout"] = outcome(dispatch_alone, deep_ep.CommTimeoutError)
     return out
 
 

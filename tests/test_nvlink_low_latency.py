@@ -467,27 +467,31 @@ def test_ll_nvlink_shrink_with_an_absent_rank(pool, world_size):
 # ---------------------------------------------------------------------------------------------------
 # Errors found on the GPU: bad expert ids (reported at the next call), a peer that never comes
 # ---------------------------------------------------------------------------------------------------
-def run_ll_errors(ctx) -> Dict[str, str]:
-    import deep_ep
+def _small_ll_buffer(ctx):
+    """A 2-rank NVLink low-latency Buffer with a 3 s timeout and its inputs: 8 BF16 tokens of hidden 256, each
+    to expert 0 (rank 0) and expert 5 (rank 1) of 8, weights 1. Returns (buffer, x, idx, weights, n, experts)."""
     from deep_ep import Buffer
-    out: Dict[str, str] = {}
     n, hidden, num_experts = 8, 256, 8
     buffer = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, 2, num_experts),
                     low_latency_mode=True, transport="nvlink", explicitly_destroy=True, timeout_s=3)
     x = torch.randn(n, hidden, device=ctx.device).to(torch.bfloat16)
     idx = torch.tensor([[0, 5]] * n, dtype=torch.int64, device=ctx.device)
     weights = torch.ones((n, 2), dtype=torch.float32, device=ctx.device)
+    return buffer, x, idx, weights, n, num_experts
+
+
+def run_ll_errors(ctx) -> Dict[str, str]:
+    import deep_ep
+    from dist_utils import outcome
+    out: Dict[str, str] = {}
+    buffer, x, idx, weights, n, num_experts = _small_ll_buffer(ctx)
     bad = idx.clone()
     if ctx.rank == 1:
         bad[3, 1] = num_experts + 5
     recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, bad, n, num_experts, use_fp8=False)
     torch.cuda.synchronize()
     if ctx.rank == 1:   # its next call raises before it sends anything (rank 0 skips that combine too)
-        try:
-            buffer.low_latency_combine(recv_x, bad, weights, handle)
-            out["bad_expert"] = "no error"
-        except ValueError as error:
-            out["bad_expert"] = "ValueError: " + str(error)
+        out["bad_expert"] = outcome(lambda: buffer.low_latency_combine(recv_x, bad, weights, handle), ValueError)
     recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
     combined = buffer.low_latency_combine(recv_x, idx, weights, handle)[0]
     out["after"] = str(bool(torch.equal(combined, (2 * x.float()).to(torch.bfloat16))))
@@ -498,11 +502,8 @@ def run_ll_errors(ctx) -> Dict[str, str]:
         buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
         torch.cuda.synchronize()
         out["two_queued_seconds"] = f"{time.monotonic() - start:.3f}"
-        try:
-            buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
-            out["timeout"] = "no error"
-        except deep_ep.CommTimeoutError as error:
-            out["timeout"] = "CommTimeoutError: " + str(error)
+        out["timeout"] = outcome(lambda: buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False),
+                                 deep_ep.CommTimeoutError)
     return out
 
 
@@ -526,14 +527,9 @@ def run_ll_combine_timeout(ctx) -> Dict[str, str]:
     """Both ranks dispatch, then only rank 0 combines: its receive gives up after timeout_s, and its next call
     raises CommTimeoutError naming the rank and what it waited for."""
     import deep_ep
-    from deep_ep import Buffer
+    from dist_utils import outcome
     out: Dict[str, str] = {}
-    n, hidden, num_experts = 8, 256, 8
-    buffer = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, 2, num_experts),
-                    low_latency_mode=True, transport="nvlink", explicitly_destroy=True, timeout_s=3)
-    x = torch.randn(n, hidden, device=ctx.device).to(torch.bfloat16)
-    idx = torch.tensor([[0, 5]] * n, dtype=torch.int64, device=ctx.device)   # an expert on each rank
-    weights = torch.ones((n, 2), dtype=torch.float32, device=ctx.device)
+    buffer, x, idx, weights, n, num_experts = _small_ll_buffer(ctx)
     recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
     torch.cuda.synchronize()
     if ctx.rank == 0:
@@ -541,11 +537,8 @@ def run_ll_combine_timeout(ctx) -> Dict[str, str]:
         buffer.low_latency_combine(recv_x, idx, weights, handle)
         torch.cuda.synchronize()
         out["seconds"] = f"{time.monotonic() - start:.3f}"
-        try:
-            buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
-            out["timeout"] = "no error"
-        except deep_ep.CommTimeoutError as error:
-            out["timeout"] = "CommTimeoutError: " + str(error)
+        out["timeout"] = outcome(lambda: buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False),
+                                 deep_ep.CommTimeoutError)
     return out
 
 
