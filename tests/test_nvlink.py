@@ -62,7 +62,8 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]], num_nvl_bytes: Opt
     """Every normal-mode operation on the NVLink transport and on the reference transport: bitwise equal.
     Cached dispatches send new data (BF16, and FP8 with int32 scales); combines get new rows and weights
     (wide values, so that the fp32 summation order shows) and two biases, also through a num_worst_tokens
-    handle, and again through the same handle with other rows."""
+    handle, and again through the same handle with other rows. A shape with with_topk=False dispatches without
+    top-k ids and weights (the layout still comes from them) and combines without weights."""
     from deep_ep import Buffer, Config
     errors: List[str] = []
     for shape in shapes:
@@ -84,8 +85,10 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]], num_nvl_bytes: Opt
                                    "is_token_in_rank")):
             _same(errors, f"{name} layout {field}", layouts[0][i], layouts[1][i])
         per_rank, _, per_expert, in_rank = layouts[1]
+        with_topk = shape.get("with_topk", True)
         kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                      topk_idx=idx, topk_weights=weights, config=config, expert_alignment=shape.get("alignment", 1))
+                      topk_idx=idx if with_topk else None, topk_weights=weights if with_topk else None, config=config,
+                      expert_alignment=shape.get("alignment", 1))
         worst_rows = sum(shape["tokens"]) + 3
         outs = {}
         for label, b in (("fast", fast), ("ref", ref)):
@@ -108,7 +111,7 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]], num_nvl_bytes: Opt
             ref.destroy()
             continue
         rows = fresh("combine rows", num_recv, hidden)
-        rows_weights = fresh("combine weights", num_recv, topk, kind="weights")
+        rows_weights = fresh("combine weights", num_recv, topk, kind="weights") if with_topk else None
         other_rows = fresh("combine rows again", num_recv, hidden)
         worst_input = fresh("worst combine rows", worst_rows, hidden)
         for label, b in (("fast", fast), ("ref", ref)):
@@ -147,7 +150,7 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]], num_nvl_bytes: Opt
     return errors
 
 
-SWEEP = [  # hidden 1024..8192, tokens 0/1/4096/8192 (uneven across ranks), top-k 1/8/32
+SWEEP = [  # hidden 1024..8192, tokens 0/1/4096/8192 (uneven), top-k 1/8/32, 1024 experts a rank, no top-k
     dict(name="deepseek-bf16-h7168-top8-rank1-empty", tokens=[4096, 0], hidden=7168, topk=8, experts=256, num_sms=24),
     dict(name="h2880-top32-one-token", tokens=[1, 4096], hidden=2880, topk=32, experts=64, num_sms=24,
          mask_frac=0.2),
@@ -157,6 +160,10 @@ SWEEP = [  # hidden 1024..8192, tokens 0/1/4096/8192 (uneven across ranks), top-
          routing="skewed", alignment=128),
     dict(name="h1024-top32-masked-8192", tokens=[8192, 17], hidden=1024, topk=32, experts=128, num_sms=20,
          mask_frac=0.3),
+    dict(name="h1024-1024-experts-per-rank", tokens=[600, 1500], hidden=1024, topk=8, experts=2048, num_sms=12,
+         mask_frac=0.1),
+    dict(name="h2048-no-topk-skewed", tokens=[900, 0], hidden=2048, topk=6, experts=64, num_sms=10, routing="skewed",
+         with_topk=False),
 ]
 
 # Rings of a few rows: every (source, channel) streams in many rounds of flow control.
@@ -229,6 +236,8 @@ MANY_RANKS = [
          experts=48, num_sms=16, routing="skewed", mask_frac=0.2),
     dict(name="many-ranks-small-rings-dup", tokens=[300, 0, 77, 450, 1, 128, 64, 200], hidden=1024, topk=4,
          experts=48, num_sms=4, ring_tokens=8, routing="dup", mask_frac=0.1),
+    dict(name="many-ranks-no-topk", tokens=[50, 333, 0, 120, 7, 256, 90, 1], hidden=512, topk=3, experts=48,
+         num_sms=6, mask_frac=0.2, with_topk=False),
 ]
 
 
@@ -544,9 +553,11 @@ STRESS_ITERATIONS = 10_000
 
 def run_stress(ctx, seed: int, iterations: int) -> Dict[str, int]:
     """Each iteration: new data and routing (on the GPU), layout, dispatch (plain, num_worst_tokens or cached in
-    turn), combine; combine(dispatch(x)) must equal x times the number of ranks the token went to (exact in
-    fp32), counted from the top-k ids themselves. Mismatches are counted on the GPU and read once at the end."""
+    turn; every fourth FP8, its received rows cast back to BF16), combine; combine(dispatch(x)) must equal x (or
+    x's FP8 cast back) times the number of ranks the token went to (exact in fp32), counted from the top-k ids
+    themselves. Mismatches are counted on the GPU and read once at the end."""
     from deep_ep import Buffer, Config
+    from deep_ep.fp8 import per_token_cast_back, per_token_cast_to_fp8
     num_tokens, hidden, topk, num_experts = 96, 512, 4, 16
     config = Config(8, 4, 32)
     buffer = Buffer(ctx.group, Config(8, 4, 32).get_nvl_buffer_size_hint(hidden * 2, ctx.world_size), 0,
@@ -562,18 +573,25 @@ def run_stress(ctx, seed: int, iterations: int) -> Dict[str, int]:
         idx = scores.topk(topk, dim=1).indices
         idx = torch.where(torch.rand(idx.shape, generator=gen, device=ctx.device) < 0.1, -1, idx)
         mode = i % 3 if handle is not None else 0
+        if i % 4 == 3:
+            fp8 = per_token_cast_to_fp8(x)
+            x, sent = per_token_cast_back(*fp8).to(torch.bfloat16), fp8
+        else:
+            sent = x
         if mode == 2:   # (the routing of the last non-cached dispatch)
-            recv_x = buffer.dispatch(x, handle=handle, config=config)[0]
+            recv_x = buffer.dispatch(sent, handle=handle, config=config)[0]
         else:
             per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
             weights = torch.ones(idx.shape, dtype=torch.float32, device=ctx.device)
             recv_x, _, _, _, handle, _ = buffer.dispatch(
-                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                sent, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                 topk_idx=idx, topk_weights=weights, num_worst_tokens=num_tokens * ctx.world_size if mode else 0,
                 config=config)
             hits = torch.zeros((num_tokens, ctx.world_size + 1), dtype=torch.bool, device=ctx.device)
             hits.scatter_(1, torch.where(idx >= 0, idx // experts_per_rank, ctx.world_size), True)
             destinations = hits[:, :ctx.world_size].sum(1, keepdim=True)   # ranks each token goes to
+        if isinstance(recv_x, tuple):
+            recv_x = per_token_cast_back(*recv_x).to(torch.bfloat16)
         combined = buffer.combine(recv_x, handle, config=config)[0]
         expected = (x.float() * destinations).to(torch.bfloat16)
         wrong += (combined != expected).any(dim=1).sum()
@@ -583,9 +601,11 @@ def run_stress(ctx, seed: int, iterations: int) -> Dict[str, int]:
 
 
 @pytest.mark.timeout(660)   # (the ranks' own limit below is 600 s)
-def test_nvlink_stress_10000_iterations(pool):
+@pytest.mark.parametrize("world_size,iterations", [(2, STRESS_ITERATIONS), (4, STRESS_ITERATIONS // 4)])
+def test_nvlink_stress_10000_iterations(pool, world_size, iterations):
+    """10,000 iterations at 2 ranks; 2,500 at 4 ranks (two processes on each GPU)."""
     seed = base_seed()
-    results = pool(2).run(run_stress, seed, STRESS_ITERATIONS, timeout=600)
+    results = pool(world_size).run(run_stress, seed, iterations, timeout=600)
     for rank, r in enumerate(results):
         assert r["wrong_tokens"] == 0, f"seed {seed}: rank {rank}: {r['wrong_tokens']} wrong tokens"
 
