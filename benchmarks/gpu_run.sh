@@ -8,7 +8,8 @@
 #          and 8 SMs (and the direct protocol's stage sizes, benchmarks/sweep_normal.py) and low-latency mode,
 #          the latter with either setting too (2 GPUs); on one GPU a short low-latency run with both ranks on
 #          it, which checks the benchmark's code paths (its times say nothing of NVLink)
-#   normal: tests/test_nvlink.py and test_nvlink_launch.py (and the comparisons again with the rings only); ll: the
+#   normal: tests/test_nvlink.py and test_nvlink_launch.py in groups (the stress runs apart: on one GPU each of
+#   its two runs takes 2.5 minutes alone), and the comparisons again with the rings only; ll: the
 #   low-latency tests (ll-compare: the comparisons with the reference; ll-variants: the 2-rank comparison with
 #   DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0, part of ll on 2 GPUs; ll-other: the rest; on one GPU they run one
 #   after the other, so there a call of at most 10 minutes takes one of them);
@@ -118,8 +119,9 @@ if has normal; then
     run_tests tests_nvlink_sweep tests/test_nvlink.py -k "sweep" &
     run_tests tests_nvlink_rings tests/test_nvlink.py -k "small_rings" &
     run_tests tests_nvlink_model tests/test_nvlink.py -k "matches_model or many_ranks" &
+    run_tests tests_nvlink_stress tests/test_nvlink.py -k "stress" &
     run_tests tests_nvlink_other tests/test_nvlink.py tests/test_nvlink_launch.py \
-        -k "not (sweep or small_rings or matches_model or many_ranks)" &
+        -k "not (sweep or small_rings or matches_model or many_ranks or stress)" &
     DEEP_EP_NVLINK_DIRECT=0 DEEP_EP_NVLINK_OWN_ROWS=receiver run_tests tests_rings_only tests/test_nvlink.py \
         -k "sweep or small_rings" &
 fi
@@ -160,8 +162,8 @@ if [ -f "$out/bench.txt" ]; then
     grep -v -E '^\[|CudaIPCTypes|UserWarning|_warn_once' "$out/bench.txt"
     echo "bench exit $bench_status"
 fi
-for log in tests_nvlink_sweep tests_nvlink_rings tests_nvlink_model tests_nvlink_other tests_rings_only tests_ll_compare \
-           tests_ll_variants tests_ll_other tests_clients tests_other; do
+for log in tests_nvlink_sweep tests_nvlink_rings tests_nvlink_model tests_nvlink_stress tests_nvlink_other \
+           tests_rings_only tests_ll_compare tests_ll_variants tests_ll_other tests_clients tests_other; do
     [ -f "$out/$log.log" ] || continue
     echo "--- $log"
     grep -v "CudaIPCTypes" "$out/$log.log" | grep -E "(PASSED|FAILED|ERROR)( |$)|^(FAILED|ERROR) |passed|failed| exit " \
