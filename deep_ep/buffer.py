@@ -104,7 +104,8 @@ class Buffer:
                 ranks x tokens per rank rows each: 8 ranks x 4096 tokens of hidden 7168 need at most 0.48 GB
                 (the 1 GiB that vLLM passes is enough). A smaller buffer streams the rows in rounds, as does
                 every dispatch with num_worst_tokens (and its combine); a call refuses a buffer below
-                DeepEP's size rule (`Config.get_nvl_buffer_size_hint`).
+                DeepEP's per-call ring rule for its own row size and channels (a buffer of the size hint
+                `Config.get_nvl_buffer_size_hint` always meets it).
             num_rdma_bytes: bytes of the buffer used by the low-latency mode (DeepEP also uses it for
                 internode normal mode; the reference transport here needs none there).
             low_latency_mode: enable `low_latency_dispatch` / `low_latency_combine`.

@@ -69,6 +69,17 @@ def int_setting(variable: str, default: int, *, minimum: int, maximum: int) -> i
     return value
 
 
+def flag_setting(variable: str, default: Optional[bool]) -> Optional[bool]:
+    """The on/off environment setting `variable`: 1 on, 0 off, `default` where unset; ValueError naming it
+    otherwise (so that `false` or `off` cannot silently mean on)."""
+    text = os.environ.get(variable)
+    if text is None:
+        return default
+    if text.strip() not in ("0", "1"):
+        raise ValueError(f"{variable} must be 0 (off) or 1 (on), got {text!r}")
+    return text.strip() == "1"
+
+
 def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
     """Entries must be -1 (no selection) or in [0, num_experts)."""
     if topk_idx.numel() == 0:

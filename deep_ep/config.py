@@ -144,7 +144,8 @@ _COMBINE_TABLE = {
 
 
 def _nearest_entry(table: dict, num_ranks: int) -> tuple:
-    # No whitelist: a rank count DeepEP never tuned gets the entry of the nearest tuned count above it.
+    # No whitelist: a rank count DeepEP never tuned gets the entry of the nearest tuned count above it (above
+    # the largest, the largest's).
     for known in sorted(table):
         if known >= num_ranks:
             return table[known]
@@ -152,13 +153,15 @@ def _nearest_entry(table: dict, num_ranks: int) -> tuple:
 
 
 def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
-    """DeepEP's tuned dispatch `Config` for `num_ranks` (the nearest tuned count above it) at `num_sms`."""
+    """DeepEP's tuned dispatch `Config` for `num_ranks` (the nearest tuned count above it;
+    above 160, the 160 entry) at `num_sms`."""
     _check_positive("num_ranks", num_ranks)
     return Config(num_sms, *_nearest_entry(_DISPATCH_TABLE, num_ranks))
 
 
 def default_combine_config(num_ranks: int, num_sms: int) -> Config:
-    """DeepEP's tuned combine `Config` for `num_ranks` (the nearest tuned count above it) at `num_sms`."""
+    """DeepEP's tuned combine `Config` for `num_ranks` (the nearest tuned count above it;
+    above 160, the 160 entry) at `num_sms`."""
     _check_positive("num_ranks", num_ranks)
     return Config(num_sms, *_nearest_entry(_COMBINE_TABLE, num_ranks))
 

@@ -1195,6 +1195,9 @@ def test_calls_that_wait_on_the_host_are_refused_inside_a_graph_capture(pool, tr
     ("DEEP_EP_NVLINK_BATCH", "0", "must be in [1, 1048576], got 0"),
     ("DEEP_EP_LL_SENDERS", "many", "must be an integer, got 'many'"),
     ("DEEP_EP_NVLINK_OWN_ROWS", "peer", "must be 'sender' or 'receiver', got 'peer'"),
+    ("DEEP_EP_NVLINK_DIRECT", "false", "must be 0 (off) or 1 (on), got 'false'"),
+    ("DEEP_EP_LL_OWN_FROM_X", "off", "must be 0 (off) or 1 (on), got 'off'"),
+    ("DEEP_EP_FAST_LAUNCH", "2", "must be 0 (off) or 1 (on), got '2'"),
 ])
 def test_a_bad_transport_setting_is_an_error_naming_the_variable(variable, value, expected):
     done = subprocess.run([sys.executable, "-c", "import deep_ep.transport.nvlink.low_latency"],

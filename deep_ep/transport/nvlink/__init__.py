@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
-from ...checks import disagreement, int_setting, too_many_rows_message
+from ...checks import disagreement, flag_setting, int_setting, too_many_rows_message
 from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology, warn_caller
 from ..base import DispatchOutput, Transport
@@ -51,7 +51,7 @@ COMBINE_TILE = int_setting("DEEP_EP_NVLINK_COMBINE_TILE", 32768, minimum=1, maxi
 OWN_ROWS = os.environ.get("DEEP_EP_NVLINK_OWN_ROWS", "sender")
 if OWN_ROWS not in ("sender", "receiver"):
     raise ValueError(f"DEEP_EP_NVLINK_OWN_ROWS must be 'sender' or 'receiver', got {OWN_ROWS!r}")
-DIRECT = os.environ.get("DEEP_EP_NVLINK_DIRECT", "1") != "0"   # the direct protocol where the rows fit
+DIRECT = flag_setting("DEEP_EP_NVLINK_DIRECT", True)   # the direct protocol where the rows fit
 # tokens a direct dispatch program pushes (rows per peer, in a direct combine) between two looks at what has
 # arrived, to copy out or reduce (direct.py); 0: all of them first
 STAGE_TOKENS = int_setting("DEEP_EP_NVLINK_STAGE_TOKENS", 0, minimum=0, maximum=1 << 30)

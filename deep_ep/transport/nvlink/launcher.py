@@ -28,8 +28,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import triton
 
+from ...checks import flag_setting
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")   # (as Triton reads it)
-ENABLED = os.environ.get("DEEP_EP_FAST_LAUNCH", "1") != "0" and not INTERPRETED
+ENABLED = flag_setting("DEEP_EP_FAST_LAUNCH", True) and not INTERPRETED
 _PLAIN = (bool, float, type(None))   # runtime arguments keyed by their type alone (as Triton does)
 
 
