@@ -87,6 +87,9 @@ class Buffer:
 
     num_sms: int = 20
 
+    # (its state is made outside inference mode even when the Buffer is built inside it, as frameworks that
+    # build it lazily in a forward do: calls outside that mode update it in place, e.g. the shrink mask)
+    @torch.inference_mode(False)
     def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
@@ -119,7 +122,9 @@ class Buffer:
             comm: an mpi4py communicator, used when `group` is None.
             num_ranks_per_node: ranks per node (contiguous in group order). Default: from the ranks' hosts.
             transport: "auto" (default, or $DEEP_EP_TRANSPORT), "reference" or "nvlink".
-            timeout_s: bound of every wait in seconds (default 100, or $DEEP_EP_TIMEOUT_S).
+            timeout_s: bound of every wait in seconds (default 100, or $DEEP_EP_TIMEOUT_S); the construction's
+                first exchange, which ranks may reach far apart, waits as long as the group's own timeout
+                where that is longer (as DeepEP's construction does).
             device: where the tensors live; default the current CUDA device, else the CPU.
         """
         if torch.cuda.is_available() and _capturing(torch.device(device if device is not None else "cuda")):
@@ -144,13 +149,14 @@ class Buffer:
         # one collective: every rank's arguments (construction is collective: ranks that differ get a ValueError
         # naming the argument, not a failure at the first call on some ranks and a timeout on the others) and
         # host (the node layout, if not given)
-        gathered = self._group.agree_on(dict(
-            num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, low_latency_mode=bool(low_latency_mode),
-            enable_shrink=bool(enable_shrink),
-            allow_nvlink_for_low_latency_mode=bool(allow_nvlink_for_low_latency_mode),
-            num_ranks_per_node=-1 if num_ranks_per_node is None else num_ranks_per_node,
-            transport=TRANSPORTS.index(requested_transport)), "Buffer construction", [host_id(), secrets.randbits(62)],
-            _shown_argument)
+        with self._group.awaiting_arrivals():
+            gathered = self._group.agree_on(dict(
+                num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, low_latency_mode=bool(low_latency_mode),
+                enable_shrink=bool(enable_shrink),
+                allow_nvlink_for_low_latency_mode=bool(allow_nvlink_for_low_latency_mode),
+                num_ranks_per_node=-1 if num_ranks_per_node is None else num_ranks_per_node,
+                transport=TRANSPORTS.index(requested_transport)), "Buffer construction",
+                [host_id(), secrets.randbits(62)], _shown_argument)
         hosts = [row[0] for row in gathered]
         if num_ranks_per_node is None:
             num_ranks_per_node = self._group.ranks_per_node_of(hosts)

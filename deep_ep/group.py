@@ -1,6 +1,7 @@
 """The Buffer's view of its process group: rank, size, node layout and bounded collectives."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import math
@@ -10,7 +11,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,30 @@ class Group:
         self._broken: Optional[str] = None
         self._tag = 0   # of the last point-to-point exchange
         self.roll_call: Optional[RollCall] = None   # shrink mode (open_roll_call)
+
+    @contextlib.contextmanager
+    def awaiting_arrivals(self) -> Iterator[None]:
+        """Inside, a wait lasts as long as the process group's own timeout where that is longer than the
+        Buffer's: for the first exchange of a Buffer's construction, which ranks may reach minutes apart
+        (one loads its weights more slowly; a framework builds its Buffers lazily), as DeepEP's construction
+        waits (its exchange is bounded only by the group's timeout). Once every rank has arrived, the
+        Buffer's own timeout bounds the waits again."""
+        own = self._own_timeout_s()
+        saved = self.timeout_s
+        self.timeout_s = max(saved, own) if own is not None else saved
+        try:
+            yield
+        finally:
+            self.timeout_s = saved
+
+    def _own_timeout_s(self) -> Optional[float]:
+        """The process group's own timeout in seconds, where torch tells it (None otherwise)."""
+        if self.group is None:
+            return None
+        try:
+            return self.group._get_backend(self._collective_device()).options._timeout.total_seconds()
+        except Exception:   # (private API: absent in some torch versions and for some backends)
+            return None
 
     # ---- object collectives (construction time) -----------------------------------------------------
     def all_gather_object(self, obj: Any, what: str) -> List[Any]:

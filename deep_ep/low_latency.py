@@ -5,9 +5,13 @@ import contextlib
 import threading
 from typing import Callable, List, Optional
 
+import torch
+
 
 class ReceiveHook:
-    """Completes a low-latency call when invoked; may run on any thread, exactly once."""
+    """Completes a low-latency call when invoked; may run on any thread, exactly once. It runs in the inference
+    mode of the call that made it (a call under `torch.inference_mode()` allocated inference tensors, which the
+    receive then fills in place, also from a thread or a later point outside that mode)."""
 
     def __init__(self, receive: Callable[[], None], name: str, check: Optional[Callable[[], None]] = None) -> None:
         self._receive: Optional[Callable[[], None]] = receive
@@ -18,6 +22,7 @@ class ReceiveHook:
         self._started = False
         self._done = False
         self._stale: Optional[str] = None   # what discarded it
+        self._inference_mode = torch.is_inference_mode_enabled()
 
     @property
     def pending(self) -> bool:
@@ -59,7 +64,8 @@ class ReceiveHook:
                 raise RuntimeError(f"the receive hook of {self._name} was already called; call each hook once")
             self._started = True
         try:
-            self._receive()
+            with torch.inference_mode(self._inference_mode):
+                self._receive()
         finally:
             self._done = True
             self._release()

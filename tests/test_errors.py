@@ -713,3 +713,51 @@ def test_wait_times_out_with_comm_timeout_error():
     assert r0["destroyed"] is True, f"destroy() of the broken Buffer: {r0['destroyed']}"
     assert "rank 0: a barrier of ranks 0 and 1 did not complete" in r0["subset"] \
         and "waiting for rank 1:" in r0["subset"], r0["subset"]
+
+
+LATE_S = 4.0   # how late rank 1 comes to a Buffer's construction
+
+
+def run_late_construction(ctx) -> Dict[str, Any]:
+    """Rank 1 reaches the construction LATE_S after rank 0, with timeout_s well below it: on the pool's group
+    (its own timeout 120 s) both ranks build the Buffer and a dispatch round trip runs; on a group whose own
+    timeout (2 s) is shorter than the delay, rank 0 gives up after the group's timeout, not the Buffer's."""
+    import datetime
+    out: Dict[str, Any] = {}
+    short_group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
+    if ctx.rank == 1:
+        time.sleep(LATE_S)
+    buf = Buffer(ctx.group, nvl_size(), 0, timeout_s=1.0, transport="reference", explicitly_destroy=True)
+    x = torch.randn((T, H), device=ctx.device).to(torch.bfloat16)
+    topk_idx = torch.randint(0, E, (T, 1), device=ctx.device)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                              num_tokens_per_expert=per_expert)
+    combined = buf.combine(recv_x, handle)[0]
+    out["round trip"] = bool(torch.equal(combined, x))   # (one expert each: every token comes back once)
+    buf.destroy()
+    if ctx.rank == 1:
+        time.sleep(LATE_S)
+    start = time.monotonic()
+    try:
+        Buffer(short_group, nvl_size(), 0, timeout_s=1.0, transport="reference")
+        out["short group"] = "constructed"
+    except Exception as error:  # noqa: BLE001
+        out["short group"] = f"{type(error).__name__}: {error}"
+    out["short group elapsed"] = time.monotonic() - start
+    return out
+
+
+def test_construction_waits_for_late_ranks_as_long_as_the_group_does():
+    from dist_utils import get_pool
+    pool = get_pool(2)
+    try:
+        results = pool.run(run_late_construction, timeout=90)
+    finally:
+        pool.restart()   # the short group holds an unmatched collective
+    for rank, r in enumerate(results):
+        assert r["round trip"], f"rank {rank}: the round trip after a late construction differs"
+    r0 = results[0]
+    assert r0["short group"].startswith("CommTimeoutError") and "rank 0: Buffer construction" in r0["short group"] \
+        and "within 2 s" in r0["short group"], r0["short group"]
+    assert 1.5 <= r0["short group elapsed"] < LATE_S, r0["short group elapsed"]

@@ -1043,6 +1043,56 @@ def test_low_latency_too_many_rows_for_an_expert_is_an_error(pool):
     assert not problems, problems
 
 
+def run_inference_mode(ctx, seed: int) -> List[str]:
+    """A Buffer built inside torch.inference_mode() (frameworks build theirs lazily in a forward) and used
+    outside it, and calls made inside it whose receive hooks run outside it (on another thread, where the mode
+    is not set, and on this thread after leaving it): the results of plain calls, and the shrink mask updated
+    outside the mode."""
+    from deep_ep import Buffer
+    N, H, E, K, T = 8, 256, 4 * ctx.world_size, 2, 5
+    gen = generator(seed, "inference mode", ctx.rank)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
+    idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(ctx.device)
+    weights = torch.rand(T, K, generator=gen).to(ctx.device)
+    with torch.inference_mode():
+        buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E),
+                     low_latency_mode=True, num_qps_per_rank=E // ctx.world_size, enable_shrink=True,
+                     explicitly_destroy=True)
+    problems = []
+    plain_x, plain_count, plain_handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+    plain_combined = buf.low_latency_combine(plain_x, idx, weights, plain_handle)[0]
+    with torch.inference_mode():
+        recv_x, count, handle, _, hook = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False,
+                                                                  return_recv_hook=True)
+    run_on_another_thread(hook)
+    if not torch.equal(count, plain_count):
+        problems.append(f"rank {ctx.rank}: recv_count {count.tolist()}, plainly {plain_count.tolist()}")
+    else:
+        for e, rows in enumerate(count.tolist()):
+            if not torch.equal(bits(recv_x[e, :rows]), bits(plain_x[e, :rows])):
+                problems.append(f"rank {ctx.rank}: expert {e}'s rows differ from a plain dispatch's")
+    with torch.inference_mode():
+        combined, _, hook = buf.low_latency_combine(recv_x, idx, weights, handle, return_recv_hook=True)
+    hook()   # this thread, out of the mode again
+    if not torch.equal(bits(combined), bits(plain_combined)):
+        problems.append(f"rank {ctx.rank}: the combine differs from a plain combine's")
+    peer = (ctx.rank + 1) % ctx.world_size
+    buf.low_latency_update_mask_buffer(peer, True)
+    mask = torch.zeros(ctx.world_size, dtype=torch.int32, device=ctx.device)
+    buf.low_latency_query_mask_buffer(mask)
+    if mask.tolist() != [int(r == peer) for r in range(ctx.world_size)]:
+        problems.append(f"rank {ctx.rank}: mask {mask.tolist()} after masking rank {peer}")
+    buf.low_latency_clean_mask_buffer()
+    buf.destroy()
+    return problems
+
+
+def test_low_latency_buffer_and_hooks_across_inference_mode(pool):
+    seed = base_seed()
+    problems = [p for per_rank in pool(2).run(run_inference_mode, seed) for p in per_rank]
+    assert not problems, f"seed={seed}: {problems}"
+
+
 def test_low_latency_shrink_masks_ranks_that_stop_calling(pool):
     seed = base_seed()
     print(f"seed={seed} (replay: DEEP_EP_TEST_SEED={seed})")
