@@ -628,6 +628,15 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
         assert getattr(buf, "runtime", None) is not None
         assert not hasattr(buf, "nvshmem_qp_depth"), "spec 1.6: set only with low_latency_mode or R > 8"
         assert buf.num_sms == 20
+        # DeepEP's runtime queries, which scripts ask `buffer.runtime`: one node here, and two of one rank each
+        rt = buf.runtime
+        assert rt.is_available() and not rt.is_internode_available()
+        assert (rt.get_num_rdma_ranks(), rt.get_rdma_rank()) == (1, 0)
+        assert (rt.get_root_rdma_rank(True), rt.get_root_rdma_rank(False)) == (ctx.rank, 0)
+        assert rt.get_local_device_id() == (ctx.device.index if ctx.device.type == "cuda" else -1)
+        nodes = Buffer(group, nvl, 0, num_ranks_per_node=1).runtime
+        assert nodes.is_internode_available() and (nodes.get_num_rdma_ranks(), nodes.get_rdma_rank()) == (2, ctx.rank)
+        assert nodes.get_root_rdma_rank(True) == 0
         tiny_dispatch(ctx, buf)
     with c.check("constructor_errors_local"):
         tiny_dispatch(ctx, buf)   # after the one-rank errors above the group still works

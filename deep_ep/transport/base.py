@@ -59,6 +59,30 @@ class Transport(ABC):
     def __init__(self, group: Group, topology: Topology, device: torch.device) -> None:
         self.group, self.topology, self.device = group, topology, device
 
+    # ---- DeepEP's runtime queries (`Buffer.runtime` is the transport; scripts ask it these) ------------------
+    def is_available(self) -> bool:
+        return True
+
+    def get_num_rdma_ranks(self) -> int:
+        """Nodes in the group."""
+        return self.topology.num_nodes
+
+    def get_rdma_rank(self) -> int:
+        """This rank's node."""
+        return self.topology.node
+
+    def is_internode_available(self) -> bool:
+        """Whether the group spans several nodes."""
+        return self.topology.is_internode
+
+    def get_root_rdma_rank(self, global_: bool) -> int:
+        """As DeepEP's: this rank's index in its node with `global_`, else 0."""
+        return self.topology.local_rank if global_ else 0
+
+    def get_local_device_id(self) -> int:
+        """The CUDA device index (-1 on the CPU)."""
+        return self.device.index if self.device.type == "cuda" and self.device.index is not None else -1
+
     def capture_host_wait(self, num_channels: int) -> Optional[str]:
         """Why a normal-mode call with `num_channels` would wait on the host even without a count to wait for
         (inside a CUDA graph capture the Buffer refuses it with this), or None."""
