@@ -696,22 +696,24 @@ class Buffer:
                 # must reach the GPU in order (they share the buffer halves)
                 stream.wait_stream(self._comm_stream.stream)
             self._low_latency_async = False
-            if stream is not None and torch._C._cuda_getDevice() != self.device.index:
-                with torch.cuda.stream(stream):   # a caller whose current device is another (a fresh thread)
+            with torch.no_grad():   # (as in CommStream.run: outputs carry no autograd history)
+                if stream is not None and torch._C._cuda_getDevice() != self.device.index:
+                    with torch.cuda.stream(stream):   # a caller whose current device is another (a fresh thread)
+                        out, receive = launch()
+                else:
                     out, receive = launch()
-            else:
-                out, receive = launch()
 
             def complete():
-                if stream is None:
-                    receive()
-                    if finish is not None:
-                        finish(out)
-                    return
-                with torch.cuda.stream(stream):   # also when the hook runs on another thread
-                    receive()
-                    if finish is not None:
-                        finish(out)
+                with torch.no_grad():
+                    if stream is None:
+                        receive()
+                        if finish is not None:
+                            finish(out)
+                        return
+                    with torch.cuda.stream(stream):   # also when the hook runs on another thread
+                        receive()
+                        if finish is not None:
+                            finish(out)
 
             # (the hook refers to nothing that refers to this Buffer: a Buffer dropped with hooks never called
             # goes at once, as do the hooks; a hook still held keeps only the transport)

@@ -64,8 +64,11 @@ class ReceiveHook:
                 raise RuntimeError(f"the receive hook of {self._name} was already called; call each hook once")
             self._started = True
         try:
-            with torch.inference_mode(self._inference_mode):
+            if torch.is_inference_mode_enabled() == self._inference_mode:
                 self._receive()
+            else:   # (leaving inference mode turns grad mode on: the receive records no autograd history)
+                with torch.inference_mode(self._inference_mode), torch.no_grad():
+                    self._receive()
         finally:
             self._done = True
             self._release()

@@ -82,7 +82,15 @@ class CommStream:
         CUDA-graph capture, where the allocator then keeps a freed output's memory for the rest of the capture,
         so that a later call of the capture, ordered only after an earlier event, cannot get it while the
         caller's stream still reads it). With `async_finish` the caller's stream does not wait and the returned
-        overlap holds the event; otherwise the caller's stream waits and the overlap's event is None."""
+        overlap holds the event; otherwise the caller's stream waits and the overlap's event is None.
+
+        `fn` runs without autograd: outputs carry no history, as DeepEP's (inputs that require grad, e.g.
+        top-k weights, would otherwise give some outputs a grad_fn on the transports that compute with torch)."""
+        with torch.no_grad():
+            return self._run(fn, inputs, previous_event, async_finish, validate)
+
+    def _run(self, fn: Callable[[], Any], inputs: Tuple[Any, ...], previous_event: Optional[EventOverlap],
+             async_finish: bool, validate: Optional[Callable[[], None]]) -> Tuple[Any, EventOverlap]:
         if self.stream is None:
             if validate is not None:
                 validate()

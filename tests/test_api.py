@@ -1207,6 +1207,8 @@ def test_calls_that_wait_on_the_host_are_refused_inside_a_graph_capture(pool, tr
     ("DEEP_EP_NVLINK_DIRECT", "false", "must be 0 (off) or 1 (on), got 'false'"),
     ("DEEP_EP_LL_OWN_FROM_X", "off", "must be 0 (off) or 1 (on), got 'off'"),
     ("DEEP_EP_FAST_LAUNCH", "2", "must be 0 (off) or 1 (on), got '2'"),
+    ("DEEP_EP_LL_FUSED", "yes", "must be 0 (off) or 1 (on), got 'yes'"),
+    ("DEEP_EP_LL_PDL", "", "must be 0 (off) or 1 (on), got ''"),
 ])
 def test_a_bad_transport_setting_is_an_error_naming_the_variable(variable, value, expected):
     done = subprocess.run([sys.executable, "-c", "import deep_ep.transport.nvlink.low_latency"],

@@ -1093,6 +1093,58 @@ def test_low_latency_buffer_and_hooks_across_inference_mode(pool):
     assert not problems, f"seed={seed}: {problems}"
 
 
+def run_no_autograd_history(ctx, seed: int) -> List[str]:
+    """Top-k weights that require grad (grad mode on): no output of a combine carries autograd history (as
+    DeepEP's), with and without a hook, in normal mode too; a hook writing `out=`, a view made under no_grad,
+    from a call made inside an autograd.Function's forward (grad off) and called outside it."""
+    from deep_ep import Buffer, Config
+    N, H, E, K, T = 8, 256, 4 * ctx.world_size, 2, 6
+    gen = generator(seed, "no autograd history", ctx.rank)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
+    idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(ctx.device)
+    weights = torch.rand(T, K, generator=gen).to(ctx.device).requires_grad_()
+    buf = Buffer(ctx.group, Config().get_nvl_buffer_size_hint(H * 2, ctx.world_size),
+                 Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E), low_latency_mode=True,
+                 num_qps_per_rank=E // ctx.world_size, explicitly_destroy=True)
+    problems = []
+
+    def history(what: str, tensor: torch.Tensor) -> None:
+        if tensor.requires_grad or tensor.grad_fn is not None:
+            problems.append(f"rank {ctx.rank}: {what} carries autograd history ({tensor.grad_fn})")
+
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+    history("low_latency_combine", buf.low_latency_combine(recv_x, idx, weights, handle)[0])
+    combined, _, hook = buf.low_latency_combine(recv_x, idx, weights, handle, return_recv_hook=True)
+    hook()
+    history("low_latency_combine with a hook", combined)
+    with torch.no_grad():
+        out = torch.empty(T + 1, H, dtype=torch.bfloat16, device=ctx.device)[1:]
+
+    class Combine(torch.autograd.Function):
+        @staticmethod
+        def forward(fn_ctx, expert_x, topk_weights):
+            return buf.low_latency_combine(expert_x, idx, topk_weights, handle, return_recv_hook=True, out=out)[2]
+
+    hook = Combine.apply(recv_x, weights)
+    hook()
+    history("low_latency_combine into out=", out)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    rows, _, recv_weights, _, normal_handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=idx, topk_weights=weights)
+    history("dispatch recv_topk_weights", recv_weights)
+    for i, t in enumerate(buf.combine(rows, normal_handle, topk_weights=recv_weights.clone().requires_grad_())[:2]):
+        history(f"combine output {i}", t)
+    buf.destroy()
+    return problems
+
+
+def test_outputs_carry_no_autograd_history(pool):
+    seed = base_seed()
+    problems = [p for per_rank in pool(2).run(run_no_autograd_history, seed) for p in per_rank]
+    assert not problems, f"seed={seed}: {problems}"
+
+
 def test_low_latency_shrink_masks_ranks_that_stop_calling(pool):
     seed = base_seed()
     print(f"seed={seed} (replay: DEEP_EP_TEST_SEED={seed})")
@@ -1167,10 +1219,7 @@ def test_nvlink_low_latency_chains_launches_where_asked_and_supported(monkeypatc
     pytest.importorskip("triton.backends.nvidia.compiler")
     from deep_ep.transport.nvlink import low_latency
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    if asked is None:
-        monkeypatch.delenv("DEEP_EP_LL_PDL", raising=False)
-    else:
-        monkeypatch.setenv("DEEP_EP_LL_PDL", asked)
+    monkeypatch.setattr(low_latency, "PDL", None if asked is None else asked == "1")   # ($DEEP_EP_LL_PDL)
     assert low_latency._chain_launches(torch.device("cuda", 0)) == chained
 
 

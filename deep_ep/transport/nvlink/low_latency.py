@@ -58,6 +58,8 @@ FUSED_MAX_TOKENS = int_setting("DEEP_EP_LL_FUSED_MAX_TOKENS", 4, minimum=0, maxi
 # without a hook, the combine's receive reads this rank's own rows from the expert output instead of their being
 # sent to itself ("0": every row is sent, as with a hook)
 OWN_FROM_X = flag_setting("DEEP_EP_LL_OWN_FROM_X", True)
+FUSED = flag_setting("DEEP_EP_LL_FUSED", True)   # the fused kernel where it applies (see the top of this file)
+PDL = flag_setting("DEEP_EP_LL_PDL", None)   # programmatic dependent launches; None: where tested
 MAX_SHRINK_RANKS = 64    # shrink mode: the open ranks travel as the bits of an int64 (sync.rank_bits)
 
 
@@ -102,9 +104,8 @@ def _chain_launches(device: torch.device) -> bool:
     rank, graph replays of a 128-token dispatch + combine: about 1 us less). By default on sm_90, where it is
     tested (CUDA-graph capture with PDL launches has failed on other architectures); DEEP_EP_LL_PDL=1 asks for
     it on any sm_90 or later GPU, 0 turns it off."""
-    asked = flag_setting("DEEP_EP_LL_PDL", None)
     major = torch.cuda.get_device_capability(device)[0]
-    wanted = major == 9 if asked is None else asked and major >= 9
+    wanted = major == 9 if PDL is None else PDL and major >= 9
     return wanted and _launch_option_supported("launch_pdl")
 
 
@@ -156,7 +157,7 @@ class NVLinkLowLatency:
         # send and receive in one kernel when there is no hook: its programs wait for each other, so they are
         # launched as a cooperative grid (all of them run at once, or the launch waits), which needs one
         # program per SM and a Triton that can ask for it
-        self.can_fuse = (NUM_SENDERS <= self.num_sms and flag_setting("DEEP_EP_LL_FUSED", True)
+        self.can_fuse = (NUM_SENDERS <= self.num_sms and FUSED
                          and area.is_cuda and _launch_option_supported("launch_cooperative_grid"))
         # the launch arguments of the send and receive kernels for programmatic dependent launch (PDL)
         self._chained = (dict(PDL=True, launch_pdl=True) if area.is_cuda and _chain_launches(area.device)
