@@ -14,7 +14,7 @@ from .config import (Config, LowLatencyLayout, default_combine_config, default_d
                      low_latency_size_hint, nvl_bytes_needed, topk_idx_t)
 from .group import Group, Topology, host_id, unmasked_ranks
 from .low_latency import LowLatencySlots, ReceiveHook
-from .streams import CommStream, stream_of
+from .streams import CommStream, stream_of, without_autograd
 from .transport import TRANSPORTS, select_transport, transport_name
 from .transport.base import LowLatencyOptions
 from .utils import EventHandle, EventOverlap, check_nvlink_connections
@@ -696,24 +696,23 @@ class Buffer:
                 # must reach the GPU in order (they share the buffer halves)
                 stream.wait_stream(self._comm_stream.stream)
             self._low_latency_async = False
-            with torch.no_grad():   # (as in CommStream.run: outputs carry no autograd history)
-                if stream is not None and torch._C._cuda_getDevice() != self.device.index:
-                    with torch.cuda.stream(stream):   # a caller whose current device is another (a fresh thread)
-                        out, receive = launch()
-                else:
-                    out, receive = launch()
+            if stream is not None and torch._C._cuda_getDevice() != self.device.index:
+                with torch.cuda.stream(stream):   # a caller whose current device is another (a fresh thread)
+                    out, receive = without_autograd(launch)
+            else:
+                out, receive = without_autograd(launch)
+
+            def receive_and_finish():
+                receive()
+                if finish is not None:
+                    finish(out)
 
             def complete():
-                with torch.no_grad():
-                    if stream is None:
-                        receive()
-                        if finish is not None:
-                            finish(out)
-                        return
-                    with torch.cuda.stream(stream):   # also when the hook runs on another thread
-                        receive()
-                        if finish is not None:
-                            finish(out)
+                if stream is None:
+                    without_autograd(receive_and_finish)
+                    return
+                with torch.cuda.stream(stream):   # also when the hook runs on another thread
+                    without_autograd(receive_and_finish)
 
             # (the hook refers to nothing that refers to this Buffer: a Buffer dropped with hooks never called
             # goes at once, as do the hooks; a hook still held keeps only the transport)

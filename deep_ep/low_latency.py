@@ -66,8 +66,8 @@ class ReceiveHook:
         try:
             if torch.is_inference_mode_enabled() == self._inference_mode:
                 self._receive()
-            else:   # (leaving inference mode turns grad mode on: the receive records no autograd history)
-                with torch.inference_mode(self._inference_mode), torch.no_grad():
+            else:   # (the receive itself turns grad mode off, which leaving inference mode turns on)
+                with torch.inference_mode(self._inference_mode):
                     self._receive()
         finally:
             self._done = True

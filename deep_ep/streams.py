@@ -42,6 +42,20 @@ _record = _event_method("record")
 _wait = _event_method("wait")
 
 
+def without_autograd(fn: Callable[[], Any]) -> Any:
+    """`fn()` with grad mode off, so that its outputs carry no autograd history, as DeepEP's (inputs that
+    require grad, e.g. top-k weights, would otherwise give some outputs a grad_fn on the transports that
+    compute with torch). Costs nothing where grad mode is off already (inference, autograd.Function.forward);
+    a `torch.no_grad()` block would cost several microseconds a call."""
+    if not torch.is_grad_enabled():
+        return fn()
+    torch._C._set_grad_enabled(False)
+    try:
+        return fn()
+    finally:
+        torch._C._set_grad_enabled(True)
+
+
 def stream_of(ids: Tuple[int, int, int]) -> "torch.cuda.Stream":
     """A Stream object for a stream's id triple (stream_id, device_index, device_type)."""
     return torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
@@ -82,12 +96,9 @@ class CommStream:
         CUDA-graph capture, where the allocator then keeps a freed output's memory for the rest of the capture,
         so that a later call of the capture, ordered only after an earlier event, cannot get it while the
         caller's stream still reads it). With `async_finish` the caller's stream does not wait and the returned
-        overlap holds the event; otherwise the caller's stream waits and the overlap's event is None.
-
-        `fn` runs without autograd: outputs carry no history, as DeepEP's (inputs that require grad, e.g.
-        top-k weights, would otherwise give some outputs a grad_fn on the transports that compute with torch)."""
-        with torch.no_grad():
-            return self._run(fn, inputs, previous_event, async_finish, validate)
+        overlap holds the event; otherwise the caller's stream waits and the overlap's event is None. `fn`
+        runs without autograd (`without_autograd`)."""
+        return without_autograd(lambda: self._run(fn, inputs, previous_event, async_finish, validate))
 
     def _run(self, fn: Callable[[], Any], inputs: Tuple[Any, ...], previous_event: Optional[EventOverlap],
              async_finish: bool, validate: Optional[Callable[[], None]]) -> Tuple[Any, EventOverlap]:
