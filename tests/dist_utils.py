@@ -3,7 +3,8 @@
 `pool(world_size)` (a pytest fixture factory in conftest.py) starts `world_size` processes once per
 session; `pool.run(fn, *args)` calls `fn(ctx, *args)` on every rank and returns the per-rank results.
 `fn` must be importable (module-level). If any rank fails, the failure is raised in the test and
-the pool is restarted, so a broken group never leaks into the next test.
+the pool is restarted, so a broken group never leaks into the next test (`pool.run_then_restart` restarts it
+after a run that passes too, for tests that leave the group out of step on purpose).
 
 Also: `run_on_another_thread` (a call on a fresh thread, as serving engines make hooks) and `run_script` (a
 Python script in a fresh process that imports the tests' modules and this checkout's package).
@@ -222,6 +223,14 @@ class RankPool:
             self.restart()
             raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(failures))
         return results
+
+    def run_then_restart(self, fn: Callable, *args: Any, timeout: Optional[float] = None, **kwargs: Any) -> List[Any]:
+        """`run`, then fresh ranks whatever happened: for a test that leaves the group out of step (a timeout
+        with a peer that never came, a collective left unmatched)."""
+        try:
+            return self.run(fn, *args, timeout=timeout, **kwargs)
+        finally:
+            self.restart()
 
     def restart(self) -> None:
         self.close(graceful=False)

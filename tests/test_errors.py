@@ -696,11 +696,8 @@ def run_timeout_case(ctx) -> Dict[str, Any]:
 
 def test_wait_times_out_with_comm_timeout_error():
     from dist_utils import get_pool
-    pool = get_pool(2)
-    try:
-        results = pool.run(run_timeout_case, timeout=60)
-    finally:
-        pool.restart()   # rank 0's group holds an unmatched collective: start fresh ranks
+    # (rank 0's group is left with an unmatched collective)
+    results = get_pool(2).run_then_restart(run_timeout_case, timeout=60)
     r0 = results[0]
     assert r0["error"] is not None, "rank 0's dispatch completed although rank 1 never called dispatch"
     assert r0["is_comm_timeout"], f"expected deep_ep.CommTimeoutError, got {r0['error'].__name__}: {r0['message']}"
@@ -750,11 +747,7 @@ def run_late_construction(ctx) -> Dict[str, Any]:
 
 def test_construction_waits_for_late_ranks_as_long_as_the_group_does():
     from dist_utils import get_pool
-    pool = get_pool(2)
-    try:
-        results = pool.run(run_late_construction, timeout=90)
-    finally:
-        pool.restart()   # the short group holds an unmatched collective
+    results = get_pool(2).run_then_restart(run_late_construction, timeout=90)   # (the short group is left unmatched)
     for rank, r in enumerate(results):
         assert r["round trip"], f"rank {rank}: the round trip after a late construction differs"
     r0 = results[0]

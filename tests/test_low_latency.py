@@ -1043,21 +1043,23 @@ def test_low_latency_too_many_rows_for_an_expert_is_an_error(pool):
     assert not problems, problems
 
 
+def _small_inputs(ctx, seed: int, what: str, num_tokens: int, hidden: int, num_experts: int, topk: int):
+    """Random BF16 x, top-k ids (distinct experts) and weights on the rank's device."""
+    gen = generator(seed, what, ctx.rank)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16).to(ctx.device)
+    idx = torch.rand(num_tokens, num_experts, generator=gen).topk(topk, dim=1).indices.to(ctx.device)
+    return x, idx, torch.rand(num_tokens, topk, generator=gen).to(ctx.device)
+
+
 def run_inference_mode(ctx, seed: int) -> List[str]:
     """A Buffer built inside torch.inference_mode() (frameworks build theirs lazily in a forward) and used
     outside it, and calls made inside it whose receive hooks run outside it (on another thread, where the mode
     is not set, and on this thread after leaving it): the results of plain calls, and the shrink mask updated
     outside the mode."""
-    from deep_ep import Buffer
-    N, H, E, K, T = 8, 256, 4 * ctx.world_size, 2, 5
-    gen = generator(seed, "inference mode", ctx.rank)
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
-    idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(ctx.device)
-    weights = torch.rand(T, K, generator=gen).to(ctx.device)
+    N, H, E = 8, 256, 4 * ctx.world_size
+    x, idx, weights = _small_inputs(ctx, seed, "inference mode", 5, H, E, 2)
     with torch.inference_mode():
-        buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E),
-                     low_latency_mode=True, num_qps_per_rank=E // ctx.world_size, enable_shrink=True,
-                     explicitly_destroy=True)
+        buf = make_buffer(ctx, N, H, E, enable_shrink=True, explicitly_destroy=True)
     problems = []
     plain_x, plain_count, plain_handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
     plain_combined = buf.low_latency_combine(plain_x, idx, weights, plain_handle)[0]
@@ -1098,11 +1100,9 @@ def run_no_autograd_history(ctx, seed: int) -> List[str]:
     DeepEP's), with and without a hook, in normal mode too; a hook writing `out=`, a view made under no_grad,
     from a call made inside an autograd.Function's forward (grad off) and called outside it."""
     from deep_ep import Buffer, Config
-    N, H, E, K, T = 8, 256, 4 * ctx.world_size, 2, 6
-    gen = generator(seed, "no autograd history", ctx.rank)
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
-    idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(ctx.device)
-    weights = torch.rand(T, K, generator=gen).to(ctx.device).requires_grad_()
+    N, H, E, T = 8, 256, 4 * ctx.world_size, 6
+    x, idx, weights = _small_inputs(ctx, seed, "no autograd history", T, H, E, 2)
+    weights.requires_grad_()
     buf = Buffer(ctx.group, Config().get_nvl_buffer_size_hint(H * 2, ctx.world_size),
                  Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E), low_latency_mode=True,
                  num_qps_per_rank=E // ctx.world_size, explicitly_destroy=True)

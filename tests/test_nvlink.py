@@ -663,11 +663,7 @@ def run_errors(ctx) -> Dict[str, str]:
 
 
 def test_nvlink_errors(pool):
-    from dist_utils import get_pool
-    try:
-        results = pool(2).run(run_errors, timeout=120)
-    finally:
-        get_pool(2).restart()   # rank 0's Buffer is broken after the timeout
+    results = pool(2).run_then_restart(run_errors, timeout=120)   # (rank 0's Buffer is broken after the timeout)
     for rank, r in enumerate(results):
         assert r["mismatch"].startswith("ValueError: dispatch: hidden is ") and "256 on rank" in r["mismatch"] \
             and "512 on rank" in r["mismatch"], r["mismatch"]

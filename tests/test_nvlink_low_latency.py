@@ -508,11 +508,7 @@ def run_ll_errors(ctx) -> Dict[str, str]:
 
 
 def test_ll_nvlink_errors(pool):
-    from dist_utils import get_pool
-    try:
-        results = pool(2).run(run_ll_errors, timeout=120)
-    finally:
-        get_pool(2).restart()   # rank 0's Buffer is broken after the timeout
+    results = pool(2).run_then_restart(run_ll_errors, timeout=120)   # (rank 0's Buffer is broken after the timeout)
     assert results[1]["bad_expert"].startswith("ValueError") and "13" in results[1]["bad_expert"] \
         and "topk_idx" in results[1]["bad_expert"], results[1]["bad_expert"]
     for rank, r in enumerate(results):
@@ -543,11 +539,7 @@ def run_ll_combine_timeout(ctx) -> Dict[str, str]:
 
 
 def test_ll_nvlink_combine_timeout_names_the_peer(pool):
-    from dist_utils import get_pool
-    try:
-        results = pool(2).run(run_ll_combine_timeout, timeout=120)
-    finally:
-        get_pool(2).restart()   # rank 0's Buffer is broken after the timeout
+    results = pool(2).run_then_restart(run_ll_combine_timeout, timeout=120)   # (rank 0's Buffer is broken)
     timeout = results[0]["timeout"]
     assert timeout.startswith("CommTimeoutError") and "rank 0" in timeout and "rank 1" in timeout \
         and "low-latency" in timeout, timeout
@@ -587,11 +579,7 @@ def run_timeout_seen_by_destroy_or_clean(ctx) -> Dict[str, str]:
 
 
 def test_ll_nvlink_timeout_seen_by_destroy_and_clean(pool):
-    from dist_utils import get_pool
-    try:
-        results = pool(2).run(run_timeout_seen_by_destroy_or_clean, timeout=120)
-    finally:
-        get_pool(2).restart()
+    results = pool(2).run_then_restart(run_timeout_seen_by_destroy_or_clean, timeout=120)
     got = results[0]
     assert got["destroy"] == "no error" and float(got["destroy_seconds"]) < 1.5, got
     assert got["clean"].startswith("CommTimeoutError") and "rank 1" in got["clean"], got
