@@ -20,7 +20,8 @@ from .roll_call import AbsentError, RollCall, default_store
 
 
 class CommTimeoutError(RuntimeError):
-    """A collective or a GPU wait did not complete within the Buffer's timeout."""
+    """A collective or a GPU wait did not complete within the Buffer's timeout (or within the process group's
+    own timeout, where that is shorter and ended the wait first)."""
 
 
 def host_id() -> int:
@@ -281,21 +282,22 @@ class Group:
     def wait(self, work: dist.Work, what: str, result: torch.Tensor, peers: Optional[Sequence[int]] = None) -> None:
         """Complete `work` (with `peers`, default all other ranks) within the timeout, polling without blocking
         (a blocking wait on a collective that a peer never joins would not return)."""
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         try:
             if not result.is_cuda:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
                 return
             while not work.is_completed():
                 if time.monotonic() > deadline:
-                    self._fail(what, "the collective did not finish on the GPU", peers)
+                    self._fail(what, "the collective did not finish on the GPU", peers, time.monotonic() - start)
                 time.sleep(0)
             work.wait()  # orders the current stream after the collective
         except CommTimeoutError:
             raise
         except RuntimeError as error:   # what the backend raised (gloo: "Timed out ...", NCCL's watchdog: "... timeout")
             if any(word in str(error).lower() for word in ("timed out", "timeout")):
-                self._fail(what, str(error), peers)
+                self._fail(what, str(error), peers, time.monotonic() - start)
             self._broken = what   # the ranks may be out of step
             raise RuntimeError(f"rank {self.rank}: {what} failed: {str(error).strip()}; this Buffer cannot be "
                                "used any more") from error
@@ -306,12 +308,15 @@ class Group:
         if self._broken is None:
             self._broken = what
 
-    def _fail(self, what: str, detail: str, peers: Optional[Sequence[int]] = None) -> None:
+    def _fail(self, what: str, detail: str, peers: Optional[Sequence[int]], waited_s: float) -> None:
+        """`waited_s` may fall short of `timeout_s`: the backend's own, shorter timeout (the process group's)
+        can end the wait first."""
         self._broken = what
         awaited = f"the other {self.size - 1} ranks of the group" if peers is None else \
             f"rank{'s' if len(peers) > 1 else ''} {', '.join(str(r) for r in peers)}"
-        raise CommTimeoutError(f"rank {self.rank}: {what} did not complete within {self.timeout_s:g} s "
-                               f"(waiting for {awaited}: {detail.strip()}); this Buffer cannot be used any more")
+        raise CommTimeoutError(f"rank {self.rank}: {what} did not complete in {waited_s:.1f} s (timeout "
+                               f"{self.timeout_s:g} s; waiting for {awaited}: {detail.strip()}); "
+                               "this Buffer cannot be used any more")
 
     @property
     def broken(self) -> bool:

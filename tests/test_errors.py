@@ -712,6 +712,33 @@ def test_wait_times_out_with_comm_timeout_error():
         and "waiting for rank 1:" in r0["subset"], r0["subset"]
 
 
+def run_group_timeout_case(ctx) -> Dict[str, Any]:
+    """A Buffer with timeout_s=30 on a gloo group whose own timeout is 2 s: rank 1 skips a dispatch, so rank 0's
+    wait ends when the group's timeout fires, and the error must say how long it waited, not timeout_s."""
+    import datetime
+    short_group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
+    buf = Buffer(short_group, nvl_size(), 0, timeout_s=30, transport="reference")
+    topk_idx = torch.tensor([[0, 2]] * T, dtype=torch.int64, device=ctx.device)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
+    if ctx.rank == 1:
+        return {}
+    start = time.monotonic()
+    try:
+        buf.dispatch(torch.ones((T, H), dtype=torch.bfloat16, device=ctx.device), num_tokens_per_rank=per_rank,
+                     is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        return {"message": "no error", "elapsed": time.monotonic() - start}
+    except deep_ep.CommTimeoutError as error:
+        return {"message": str(error), "elapsed": time.monotonic() - start}
+
+
+def test_timeout_error_reports_the_time_waited_when_the_groups_timeout_fires_first():
+    from dist_utils import get_pool
+    r0 = get_pool(2).run_then_restart(run_group_timeout_case, timeout=60)[0]
+    assert r0["elapsed"] < 10, f"rank 0 waited {r0['elapsed']:.1f} s, beyond the group's 2 s timeout"
+    waited = re.search(r"did not complete in ([0-9.]+) s \(timeout 30 s; waiting for", r0["message"])
+    assert waited and abs(float(waited.group(1)) - r0["elapsed"]) < 1.0, r0["message"]
+
+
 LATE_S = 4.0   # how late rank 1 comes to a Buffer's construction
 
 
@@ -752,5 +779,5 @@ def test_construction_waits_for_late_ranks_as_long_as_the_group_does():
         assert r["round trip"], f"rank {rank}: the round trip after a late construction differs"
     r0 = results[0]
     assert r0["short group"].startswith("CommTimeoutError") and "rank 0: Buffer construction" in r0["short group"] \
-        and "within 2 s" in r0["short group"], r0["short group"]
+        and re.search(r"did not complete in 2\.\d s \(timeout 2 s;", r0["short group"]), r0["short group"]
     assert 1.5 <= r0["short group elapsed"] < LATE_S, r0["short group elapsed"]
