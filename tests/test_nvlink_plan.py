@@ -1,5 +1,5 @@
 """The NVLink transport's bookkeeping that needs no GPU: rebuilding where every row went from a handle
-(the path a copied handle takes), against the independent model."""
+(the path a copied handle takes), against the independent model; when a dropped transport waits for the GPU."""
 import pytest
 import torch
 
@@ -7,7 +7,7 @@ import model
 from randomness import base_seed, generator
 from test_normal import make_routing
 from deep_ep.group import Group
-from deep_ep.transport.nvlink import plan_from_handle
+from deep_ep.transport.nvlink import NVLinkTransport, plan_from_handle
 
 
 @pytest.mark.parametrize("num_ranks,num_channels", [(2, 3), (3, 5), (4, 1)])
@@ -81,3 +81,21 @@ def test_ranks_must_agree_on_the_protocol_settings():
         _agree_on_settings(_GroupOf([lambda values: values, more_senders]))
     with pytest.raises(ValueError, match="DEEP_EP_NVLINK_DIRECT"):
         _agree_on_settings(_GroupOf([lambda values: [1 - values[0]] + values[1:]]))
+
+
+@pytest.mark.parametrize("released, broken, capturing, waits", [
+    (False, False, False, True),    # dropped without destroy(): wait for this rank's kernels first
+    (True, False, False, False),    # destroy() waited already
+    (False, True, False, False),    # after a timeout a collective that never ends may hold the GPU
+    (False, False, True, False),    # a wait would end the caller's graph capture
+])
+def test_a_dropped_transport_waits_for_the_gpu_only_where_it_must_and_may(monkeypatch, released, broken, capturing,
+                                                                         waits):
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    transport = NVLinkTransport.__new__(NVLinkTransport)   # (its construction needs GPUs; only the drop is tested)
+    transport.group = type("FakeGroup", (), {"broken": broken})()
+    transport.device, transport._released = torch.device("cuda", 1), released
+    del transport
+    assert waited == ([torch.device("cuda", 1)] if waits else [])

@@ -142,6 +142,7 @@ class NVLinkTransport(Transport):
         # what they write there only meets rows in transit, never the counters
         memory = torch.empty(self.ring_word * 4 + _round_up(num_nvl_bytes, 16), dtype=torch.uint8, device=device)
         memory[:self.ring_word * 4].zero_()
+        self._released = False
         self.local_buffer = memory[self.ring_word * 4:self.ring_word * 4 + num_nvl_bytes]
         self.total_words = memory.numel() // 4
         torch.cuda.synchronize(device)
@@ -581,6 +582,7 @@ class NVLinkTransport(Transport):
             self.low_latency.clean(num_max_tokens, hidden, num_experts)
 
     def destroy(self, wait_for_gpu: bool = True) -> None:
+        self._released = True
         if wait_for_gpu:
             torch.cuda.synchronize(self.device)
             if int(self._status_words[0]):   # a wait that timed out after the last call: the ranks are out of step
@@ -588,6 +590,20 @@ class NVLinkTransport(Transport):
         self.peers.close()
         if self.low_latency is not None:
             self.low_latency.close()
+
+    def __del__(self) -> None:
+        """Dropped without destroy() (a Buffer with explicitly_destroy=False; clients replace one that way):
+        wait for this rank's kernels before the memory goes, as DeepEP's destructor does. They may still run on
+        streams that the allocator does not track, on this rank's memory or on a peer's mapped here (PyTorch
+        releases a mapping after waiting for the current stream only). Skipped after destroy(), after a timeout
+        (a collective that never finishes may hold the GPU) and during a graph capture (a wait would end it)."""
+        if getattr(self, "_released", True) or self.group.broken:
+            return
+        try:
+            if not torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize(self.device)
+        except Exception:   # (at interpreter exit CUDA may be gone already)
+            pass
 
 
 # the dispatch kernels' arguments that change from call to call (the direct kernel also has push_row0_ptr after
