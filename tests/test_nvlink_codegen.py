@@ -4,8 +4,9 @@ A row pointer that loses its alignment or contiguity hints still gives correct r
 then moves rows in 2- or 4-byte pieces, several times slower; only the benchmark on the GPU machine would
 show it. Each case compiles a kernel as the transport launches it (pointers 16-byte aligned, the shape's
 block sizes and warps) and counts its global loads and stores by width. The counters that other programs
-change while a kernel runs are read with atomics or volatile loads, never plain (cacheable) loads, and no
-branch of a waiting kernel depends on what one thread alone saw (the clock, a volatile load).
+change while a kernel runs are read with atomics or volatile loads, never plain (cacheable) loads, every
+acquire and release is system-wide (peers on other GPUs), and no branch of a waiting kernel depends on what one
+thread alone saw (the clock, a volatile load).
 """
 import re
 from collections import Counter
@@ -314,3 +315,19 @@ def test_acquired_values_reach_other_threads_through_a_barrier(case):
     orders their reads too."""
     kernel, constexprs = _uniformity_cases()[case]
     assert _accesses_before_a_barrier(_ptx(kernel, 4, constexprs)) == []
+
+
+ORDERED = re.compile(r"\b(?:atom|red|ld|st|fence)(?:\.[a-z0-9_]+)*?\.(?:acquire|release|acq_rel)(?:\.[a-z0-9_]+)*")
+
+
+@pytest.mark.parametrize("case", list(_uniformity_cases()))
+def test_acquires_and_releases_reach_other_gpus(case):
+    """Peers on other GPUs write the counters a kernel waits on and read what its releases guard: an acquire or
+    release at GPU scope orders nothing for them (on one shared GPU it would pass every test). The one exception:
+    the ticket by which a normal-mode kernel's programs find the last of them (a word of this GPU's own memory
+    that only its own programs touch)."""
+    kernel, constexprs = _uniformity_cases()[case]
+    ordered = [match.group(0) for match in ORDERED.finditer(_ptx(kernel, 4, constexprs))]
+    narrow = [op for op in ordered if "sys" not in op.split(".")]
+    assert ordered and len(narrow) <= 1 and all(op.startswith("atom.global.gpu.acq_rel.add") for op in narrow), \
+        ordered
