@@ -14,7 +14,7 @@ from .config import (Config, LowLatencyLayout, default_combine_config, default_d
                      low_latency_size_hint, nvl_bytes_needed, topk_idx_t)
 from .group import Group, Topology, host_id, unmasked_ranks
 from .low_latency import LowLatencySlots, ReceiveHook
-from .streams import CommStream, stream_of, without_autograd
+from .streams import CommStream, capturing, stream_of, without_autograd
 from .transport import TRANSPORTS, select_transport, transport_name
 from .transport.base import LowLatencyOptions
 from .utils import EventHandle, EventOverlap, check_nvlink_connections
@@ -25,16 +25,6 @@ MAX_TOPK = 32
 MAX_EXPERTS_PER_RANK = 1024
 
 Tensors = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether the current stream of `device` (a CUDA device) is capturing a CUDA graph."""
-    if device.type != "cuda":
-        return False
-    if device.index is None or device.index == torch._C._cuda_getDevice():
-        return torch._C._cuda_isCurrentStreamCapturing()
-    with torch.cuda.device(device):
-        return torch._C._cuda_isCurrentStreamCapturing()
 
 
 def _timeout_setting(timeout_s: Optional[float]) -> float:
@@ -54,7 +44,7 @@ def _timeout_setting(timeout_s: Optional[float]) -> float:
 
 def _refuse_capture(device: torch.device, what: str, reason: str) -> None:
     """RuntimeError (saying `reason`) if the current stream of `device` is capturing a CUDA graph."""
-    if _capturing(device):
+    if capturing(device):
         raise RuntimeError(f"{what} cannot run inside a CUDA graph capture: {reason}")
 
 
@@ -127,7 +117,7 @@ class Buffer:
                 where that is longer (as DeepEP's construction does).
             device: where the tensors live; default the current CUDA device, else the CPU.
         """
-        if torch.cuda.is_available() and _capturing(torch.device(device if device is not None else "cuda")):
+        if torch.cuda.is_available() and capturing(torch.device(device if device is not None else "cuda")):
             raise RuntimeError("Buffer cannot be constructed inside a CUDA graph capture (it allocates memory and "
                                "exchanges it with the other ranks on the host): create it before capturing")
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0, multiple_of=128)
@@ -253,7 +243,7 @@ class Buffer:
         transport = self._transport
         if low_latency and transport.low_latency_graph_capturable:
             return
-        if not _capturing(self.device):
+        if not capturing(self.device):
             return
         if low_latency:   # (capturable low-latency paths returned above)
             host_wait = _LOW_LATENCY_HOST_WAIT
@@ -686,7 +676,7 @@ class Buffer:
     def _run_low_latency(self, launch, finish, half: int, name: str, async_finish: bool, return_recv_hook: bool,
                          inputs: tuple):
         """Launch, then either return a hook, or receive at once on the comm stream (async) / current stream."""
-        ordered = self.device.type == "cuda" and not _capturing(self.device)
+        ordered = self.device.type == "cuda" and not capturing(self.device)
         if ordered:   # (inside a CUDA-graph capture the captured order holds)
             self._order_after_last_receive(half, return_recv_hook)
         if return_recv_hook:

@@ -56,6 +56,16 @@ def without_autograd(fn: Callable[[], Any]) -> Any:
         torch._C._set_grad_enabled(True)
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of `device` (a CUDA device) is capturing a CUDA graph."""
+    if device.type != "cuda":
+        return False
+    if device.index is None or device.index == torch._C._cuda_getDevice():
+        return torch._C._cuda_isCurrentStreamCapturing()
+    with torch.cuda.device(device):
+        return torch._C._cuda_isCurrentStreamCapturing()
+
+
 def stream_of(ids: Tuple[int, int, int]) -> "torch.cuda.Stream":
     """A Stream object for a stream's id triple (stream_id, device_index, device_type)."""
     return torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])

@@ -1098,12 +1098,12 @@ def _capturing_graph(ctx):
             yield
         return
     import deep_ep.buffer as buffer_module
-    real = buffer_module._capturing
-    buffer_module._capturing = lambda device: True
+    real = buffer_module.capturing
+    buffer_module.capturing = lambda device: True
     try:
         yield
     finally:
-        buffer_module._capturing = real
+        buffer_module.capturing = real
 
 
 def run_capture_refusals(ctx, transport: str) -> Dict[str, str]:

@@ -7,6 +7,7 @@ import model
 from randomness import base_seed, generator
 from test_normal import make_routing
 from deep_ep.group import Group
+from deep_ep.transport import nvlink
 from deep_ep.transport.nvlink import NVLinkTransport, plan_from_handle
 
 
@@ -93,7 +94,7 @@ def test_a_dropped_transport_waits_for_the_gpu_only_where_it_must_and_may(monkey
                                                                          waits):
     waited = []
     monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(nvlink, "capturing", lambda device: capturing and device == torch.device("cuda", 1))
     transport = NVLinkTransport.__new__(NVLinkTransport)   # (its construction needs GPUs; only the drop is tested)
     transport.group = type("FakeGroup", (), {"broken": broken})()
     transport.device, transport._released = torch.device("cuda", 1), released

@@ -36,6 +36,7 @@ import torch
 from ...checks import disagreement, flag_setting, int_setting, too_many_rows_message
 from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology, warn_caller
+from ...streams import capturing
 from ..base import DispatchOutput, Transport
 from ..reference import ReferenceTransport, dispatch_fields
 from .launcher import Pointer, Relaunch
@@ -600,7 +601,7 @@ class NVLinkTransport(Transport):
         if getattr(self, "_released", True) or self.group.broken:
             return
         try:
-            if not torch.cuda.is_current_stream_capturing():
+            if not capturing(self.device):
                 torch.cuda.synchronize(self.device)
         except Exception:   # (at interpreter exit CUDA may be gone already)
             pass
