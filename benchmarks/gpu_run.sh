@@ -3,11 +3,14 @@
 # (Triton compiles on many CPU cores at once); a short table last. Installs nothing (the machine's torch and
 # Triton are used); run from the repository root.
 # Usage: bash benchmarks/gpu_run.sh [seconds for the tests, default 500] [parts, default "bench normal ll other"]
-#   bench: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py, DEEP_EP_LL_OWN_FROM_X=1 and 0
-#          alternated) and their synchronisation steps (benchmarks/ll_fixed_costs.py); normal mode at 24, 16
-#          and 8 SMs (and the direct protocol's stage sizes, benchmarks/sweep_normal.py) and low-latency mode,
-#          the latter with either setting too (2 GPUs); on one GPU a short low-latency run with both ranks on
-#          it, which checks the benchmark's code paths (its times say nothing of NVLink)
+#   bench: on 2 GPUs (transport forced to nvlink, a 20 s timeout for the library's waits, 240 s a run, so a
+#          hang costs one run, not the call), in order of need: normal and low-latency mode at 24 SMs, low-latency
+#          with DEEP_EP_LL_OWN_FROM_X=0, normal mode on the rings (hint-sized buffer; also with the receivers
+#          copying own rows), at 16 and 8 SMs, then the direct protocol's stage sizes (benchmarks/sweep_normal.py).
+#          On one GPU: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py,
+#          DEEP_EP_LL_OWN_FROM_X=1 and 0 alternated), their synchronisation steps (benchmarks/ll_fixed_costs.py),
+#          and short runs with both ranks on the GPU, which check the benchmark's code paths (their times say
+#          nothing of NVLink)
 #   normal: tests/test_nvlink.py and test_nvlink_launch.py in groups (the stress runs apart: on one GPU each of
 #   its two runs takes 2.5 minutes alone), and the comparisons again with the rings only; ll: the
 #   low-latency tests (ll-compare: the comparisons with the reference; ll-variants: the 2-rank comparison with
@@ -44,42 +47,41 @@ bench_status=0
 bench() {   # title, then benchmark arguments; every run appends to bench.txt
     echo "=== $1" >> "$out/bench.txt"
     shift
-    timeout "$limit" python3 -m deep_ep.bench "$@" >> "$out/bench.txt" 2>&1 || bench_status=$?
+    timeout "$run_limit" python3 -m deep_ep.bench "$@" >> "$out/bench.txt" 2>&1 || bench_status=$?
 }
-if has bench; then
-    # the combine's own rows read from the expert output (default) or sent like the others (alternated twice on
-    # one GPU, where these times are the run's only figures)
-    settings="1 0"
-    [ "$gpus" -lt 2 ] && settings="1 0 1 0"
-    for own_from_x in $settings; do
+if has bench && [ "$gpus" -lt 2 ]; then
+    run_limit=$limit
+    # the combine's own rows read from the expert output (default) or sent like the others, alternated twice
+    for own_from_x in 1 0 1 0; do
         echo "=== low-latency kernel times, one rank, DEEP_EP_LL_OWN_FROM_X=$own_from_x" >> "$out/bench.txt"
         DEEP_EP_LL_OWN_FROM_X=$own_from_x timeout "$limit" python3 benchmarks/ll_kernel_times.py --replays 100 \
             >> "$out/bench.txt" 2>&1 || bench_status=$?
     done
     echo "=== low-latency synchronisation steps, one rank" >> "$out/bench.txt"
     timeout "$limit" python3 benchmarks/ll_fixed_costs.py >> "$out/bench.txt" 2>&1 || bench_status=$?
-    if [ "$gpus" -lt 2 ]; then
-        echo "one GPU: the benchmark as a smoke test only (both ranks on this GPU)"
-        bench "low-latency, both ranks on one GPU" --mode low-latency --warmup 2 --iters 5
-        bench "normal, both ranks on one GPU, 2 GB buffer (direct)" --mode normal --num-sms 24 --nvl-bytes 2000000000 \
-            --warmup 2 --iters 10
-        bench "normal, both ranks on one GPU, hint-sized buffer (rings)" --mode normal --num-sms 24 --warmup 2 --iters 10
-    else
-        # a 2 GB buffer (DeepEP's own test passes 2e9): every row fits, the direct protocol serves dispatch and combine
-        bench "24 SMs, 2 GB buffer" --mode all --num-sms 24 --nvl-bytes 2000000000 --kernels
-        bench "16 SMs, 2 GB buffer" --mode normal --num-sms 16 --nvl-bytes 2000000000
-        bench "8 SMs, 2 GB buffer" --mode normal --num-sms 8 --nvl-bytes 2000000000
-        # the direct protocol's stages: one (push all, then copy out / reduce) against a few tokens at a time
-        echo "=== direct protocol stages, 2 GB buffer" >> "$out/bench.txt"
-        timeout "$limit" python3 benchmarks/sweep_normal.py --num-sms 24 16 --nvl-bytes 2000000000 --setting "" \
-            --setting DEEP_EP_NVLINK_STAGE_TOKENS=16 --setting DEEP_EP_NVLINK_STAGE_TOKENS=64 >> "$out/bench.txt" 2>&1 \
-            || bench_status=$?
-        # the size hint's buffer: the rows stream through the rings
-        bench "24 SMs, hint-sized buffer (rings)" --mode normal --num-sms 24 --kernels
-        DEEP_EP_NVLINK_OWN_ROWS=receiver bench "24 SMs, rings, own rows copied by the receivers" --mode normal --num-sms 24
-        DEEP_EP_LL_OWN_FROM_X=0 bench "low-latency, the combine sends own rows too" --mode low-latency
-        bench "low-latency, own rows read from the expert output (default, again)" --mode low-latency
-    fi
+    echo "one GPU: the benchmark as a smoke test only (both ranks on this GPU)"
+    bench "low-latency, both ranks on one GPU" --mode low-latency --warmup 2 --iters 5
+    bench "normal, both ranks on one GPU, 2 GB buffer (direct)" --mode normal --num-sms 24 --nvl-bytes 2000000000 \
+        --warmup 2 --iters 10
+    bench "normal, both ranks on one GPU, hint-sized buffer (rings)" --mode normal --num-sms 24 --warmup 2 --iters 10
+elif has bench; then
+    run_limit=240
+    export DEEP_EP_TRANSPORT=nvlink DEEP_EP_TIMEOUT_S=20
+    # a 2 GB buffer (DeepEP's own test passes 2e9): every row fits, the direct protocol serves dispatch and combine
+    bench "24 SMs, 2 GB buffer" --mode all --num-sms 24 --nvl-bytes 2000000000 --kernels
+    DEEP_EP_LL_OWN_FROM_X=0 bench "low-latency, the combine sends own rows too" --mode low-latency
+    # the size hint's buffer: the rows stream through the rings
+    bench "24 SMs, hint-sized buffer (rings)" --mode normal --num-sms 24 --kernels
+    DEEP_EP_NVLINK_OWN_ROWS=receiver bench "24 SMs, rings, own rows copied by the receivers" --mode normal --num-sms 24
+    bench "16 SMs, 2 GB buffer" --mode normal --num-sms 16 --nvl-bytes 2000000000
+    bench "8 SMs, 2 GB buffer" --mode normal --num-sms 8 --nvl-bytes 2000000000
+    # the direct protocol's stages: a few tokens at a time against one stage (push all, then copy out / reduce:
+    # the default, timed above)
+    echo "=== direct protocol stages, 2 GB buffer" >> "$out/bench.txt"
+    timeout "$limit" python3 benchmarks/sweep_normal.py --num-sms 24 --nvl-bytes 2000000000 --timeout 200 \
+        --setting DEEP_EP_NVLINK_STAGE_TOKENS=16 --setting DEEP_EP_NVLINK_STAGE_TOKENS=64 >> "$out/bench.txt" 2>&1 \
+        || bench_status=$?
+    unset DEEP_EP_TRANSPORT DEEP_EP_TIMEOUT_S
 fi
 
 if has deepep; then

@@ -3,15 +3,17 @@ setting is a set of environment variables, e.g. the NVLink transport's DEEP_EP_N
 count, then one line per run with the time (DeepEP's method) and the GPU time of each operation.
 
   python benchmarks/sweep_normal.py --num-sms 24 16 --setting "" --setting "DEEP_EP_NVLINK_DIRECT=0" \
-      [--nvl-bytes 2000000000] [--iters 30]
+      [--nvl-bytes 2000000000] [--iters 30] [--device auto|cpu|cuda] [--timeout 300]
 
-A failed run (a verification error or a crash) prints its last lines instead of figures.
+A failed run (a verification error, a crash, or a run past --timeout, whose processes are then killed) prints its
+last lines instead of figures, and the sweep goes on with the next.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from typing import Dict
@@ -30,18 +32,27 @@ def _environment(setting: str) -> Dict[str, str]:
 
 def _run(setting: str, num_sms: int, args: argparse.Namespace) -> str:
     command = [sys.executable, "-m", "deep_ep.bench", "--mode", "normal", "--json", "--num-sms", str(num_sms),
-               "--iters", str(args.iters), "--num-ranks", str(args.num_ranks)]
+               "--iters", str(args.iters), "--num-ranks", str(args.num_ranks), "--device", args.device]
     if args.nvl_bytes:
         command += ["--nvl-bytes", str(args.nvl_bytes)]
-    done = subprocess.run(command, env=_environment(setting), capture_output=True, text=True, timeout=args.timeout)
     label = f"{num_sms:3d} SMs  {setting or '(defaults)'}"
+    # a session of its own: a run past the timeout is killed with the rank processes it started
+    proc = subprocess.Popen(command, env=_environment(setting), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        report = json.loads(done.stdout)
+        stdout, stderr = proc.communicate(timeout=args.timeout)
+        status = f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        status = f"killed after {args.timeout:g} s"
+    try:
+        report = json.loads(stdout)
     except json.JSONDecodeError:
         report = None
-    if done.returncode or not report or not report.get("ok"):
-        tail = "\n    ".join((done.stdout + done.stderr).strip().splitlines()[-6:])
-        return f"{label}: FAILED (exit {done.returncode})\n    {tail}"
+    if proc.returncode or not report or not report.get("ok"):
+        tail = "\n    ".join((stdout + stderr).strip().splitlines()[-6:])
+        return f"{label}: FAILED ({status})\n    {tail}"
     cells = []
     for name, short in OPS:
         entry = report["ops"].get(name)
@@ -61,6 +72,7 @@ def main() -> None:
     parser.add_argument("--num-ranks", type=int, default=2,
                         help="ranks (1: every row stays local, which isolates the kernels' local copies)")
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="as the benchmark's")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     args = parser.parse_args()
     print("us per call: time (DeepEP's method, rank 0) [GPU busy time, max over ranks]", flush=True)

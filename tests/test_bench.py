@@ -127,8 +127,9 @@ def test_bench_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
 
 
 def test_sweep_normal_cpu():
-    """benchmarks/sweep_normal.py: one line of figures per setting; a setting that breaks the run says so."""
-    command = [sys.executable, os.path.join(ROOT, "benchmarks", "sweep_normal.py"), "--iters", "2",
+    """benchmarks/sweep_normal.py: one line of figures per setting; a setting that breaks the run says so, and so
+    does one past the timeout (the sweep goes on)."""
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "sweep_normal.py"), "--iters", "2", "--device", "cpu",
                "--setting", "", "--setting", "DEEP_EP_TRANSPORT=no-such-transport"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -138,3 +139,9 @@ def test_sweep_normal_cpu():
         assert f"{label} " in defaults, defaults
     broken = next(line for line in lines if "no-such-transport" in line)
     assert "FAILED" in broken, broken
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "sweep_normal.py"), "--device", "cpu", "--timeout",
+               "0.5", "--num-sms", "24", "16"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    killed = [line for line in proc.stdout.splitlines() if "FAILED (killed after 0.5 s)" in line]
+    assert len(killed) == 2, proc.stdout
