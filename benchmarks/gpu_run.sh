@@ -3,7 +3,7 @@
 # (Triton compiles on many CPU cores at once); a short table last. Installs nothing (the machine's torch and
 # Triton are used); run from the repository root.
 # Usage: bash benchmarks/gpu_run.sh [seconds for the tests, default 500] [parts, default "bench normal ll other"]
-#   bench: on 2 GPUs (transport forced to nvlink, a 20 s timeout for the library's waits, 240 s a run, so a
+#   bench: on 2 GPUs (transport forced to nvlink, a 60 s timeout for the library's waits, 240 s a run, so a
 #          hang costs one run, not the call), in order of need: normal and low-latency mode at 24 SMs, low-latency
 #          with DEEP_EP_LL_OWN_FROM_X=0, normal mode on the rings (hint-sized buffer; also with the receivers
 #          copying own rows), at 16 and 8 SMs, then the direct protocol's stage sizes (benchmarks/sweep_normal.py).
@@ -66,7 +66,7 @@ if has bench && [ "$gpus" -lt 2 ]; then
     bench "normal, both ranks on one GPU, hint-sized buffer (rings)" --mode normal --num-sms 24 --warmup 2 --iters 10
 elif has bench; then
     run_limit=240
-    export DEEP_EP_TRANSPORT=nvlink DEEP_EP_TIMEOUT_S=20
+    export DEEP_EP_TRANSPORT=nvlink DEEP_EP_TIMEOUT_S=60
     # a 2 GB buffer (DeepEP's own test passes 2e9): every row fits, the direct protocol serves dispatch and combine
     bench "24 SMs, 2 GB buffer" --mode all --num-sms 24 --nvl-bytes 2000000000 --kernels
     DEEP_EP_LL_OWN_FROM_X=0 bench "low-latency, the combine sends own rows too" --mode low-latency
