@@ -44,13 +44,13 @@ if [ "$gpus" -ge 2 ]; then   # the NVLink transport needs native peer atomics ('
 fi
 
 bench_status=0
-bench() {   # title, then benchmark arguments; every run appends to bench.txt
+bench() {   # title, then benchmark arguments; every run appends to bench.txt (with the settings in $bench_env)
     echo "=== $1" >> "$out/bench.txt"
     shift
-    timeout "$run_limit" python3 -m deep_ep.bench "$@" >> "$out/bench.txt" 2>&1 || bench_status=$?
+    timeout "$run_limit" env $bench_env python3 -m deep_ep.bench "$@" >> "$out/bench.txt" 2>&1 || bench_status=$?
 }
 if has bench && [ "$gpus" -lt 2 ]; then
-    run_limit=$limit
+    run_limit=$limit bench_env=""
     # the combine's own rows read from the expert output (default) or sent like the others, alternated twice
     for own_from_x in 1 0 1 0; do
         echo "=== low-latency kernel times, one rank, DEEP_EP_LL_OWN_FROM_X=$own_from_x" >> "$out/bench.txt"
@@ -66,22 +66,22 @@ if has bench && [ "$gpus" -lt 2 ]; then
     bench "normal, both ranks on one GPU, hint-sized buffer (rings)" --mode normal --num-sms 24 --warmup 2 --iters 10
 elif has bench; then
     run_limit=240
-    export DEEP_EP_TRANSPORT=nvlink DEEP_EP_TIMEOUT_S=60
+    bench_env="DEEP_EP_TRANSPORT=nvlink DEEP_EP_TIMEOUT_S=60"
     # a 2 GB buffer (DeepEP's own test passes 2e9): every row fits, the direct protocol serves dispatch and combine
     bench "24 SMs, 2 GB buffer" --mode all --num-sms 24 --nvl-bytes 2000000000 --kernels
     DEEP_EP_LL_OWN_FROM_X=0 bench "low-latency, the combine sends own rows too" --mode low-latency
     # the size hint's buffer: the rows stream through the rings
     bench "24 SMs, hint-sized buffer (rings)" --mode normal --num-sms 24 --kernels
-    DEEP_EP_NVLINK_OWN_ROWS=receiver bench "24 SMs, rings, own rows copied by the receivers" --mode normal --num-sms 24
+    DEEP_EP_NVLINK_OWN_ROWS=receiver bench "24 SMs, rings, own rows copied by the receivers" --mode normal \
+        --num-sms 24
     bench "16 SMs, 2 GB buffer" --mode normal --num-sms 16 --nvl-bytes 2000000000
     bench "8 SMs, 2 GB buffer" --mode normal --num-sms 8 --nvl-bytes 2000000000
     # the direct protocol's stages: a few tokens at a time against one stage (push all, then copy out / reduce:
     # the default, timed above)
     echo "=== direct protocol stages, 2 GB buffer" >> "$out/bench.txt"
-    timeout "$limit" python3 benchmarks/sweep_normal.py --num-sms 24 --nvl-bytes 2000000000 --timeout 200 \
-        --setting DEEP_EP_NVLINK_STAGE_TOKENS=16 --setting DEEP_EP_NVLINK_STAGE_TOKENS=64 >> "$out/bench.txt" 2>&1 \
-        || bench_status=$?
-    unset DEEP_EP_TRANSPORT DEEP_EP_TIMEOUT_S
+    timeout "$limit" env $bench_env python3 benchmarks/sweep_normal.py --num-sms 24 --nvl-bytes 2000000000 \
+        --timeout 200 --setting DEEP_EP_NVLINK_STAGE_TOKENS=16 --setting DEEP_EP_NVLINK_STAGE_TOKENS=64 \
+        >> "$out/bench.txt" 2>&1 || bench_status=$?
 fi
 
 if has deepep; then

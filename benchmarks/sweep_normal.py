@@ -44,8 +44,11 @@ def _run(setting: str, num_sms: int, args: argparse.Namespace) -> str:
         status = f"exit {proc.returncode}"
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        stdout, stderr = proc.communicate(timeout=30)
         status = f"killed after {args.timeout:g} s"
+    except BaseException:   # the sweep itself stopped (Ctrl-C, SIGTERM): its run must not go on without it
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     try:
         report = json.loads(stdout)
     except json.JSONDecodeError:
@@ -75,6 +78,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="as the benchmark's")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # (as `timeout` stops it: the current run goes too)
     print("us per call: time (DeepEP's method, rank 0) [GPU busy time, max over ranks]", flush=True)
     for num_sms in args.num_sms:
         for setting in args.setting or [""]:

@@ -85,18 +85,21 @@ def test_ranks_must_agree_on_the_protocol_settings():
 
 
 @pytest.mark.parametrize("released, broken, capturing, waits", [
-    (False, False, False, True),    # dropped without destroy(): wait for this rank's kernels first
-    (True, False, False, False),    # destroy() waited already
-    (False, True, False, False),    # after a timeout a collective that never ends may hold the GPU
-    (False, False, True, False),    # a wait would end the caller's graph capture
+    (False, False, None, True),      # dropped without destroy(): wait for this rank's kernels first
+    (True, False, None, False),      # destroy() waited already
+    (False, True, None, False),      # after a timeout a collective that never ends may hold the GPU
+    (False, False, "own", False),    # a wait would end the caller's graph capture on the Buffer's device
+    (False, False, "current", False),   # ... or on the current device
 ])
 def test_a_dropped_transport_waits_for_the_gpu_only_where_it_must_and_may(monkeypatch, released, broken, capturing,
                                                                          waits):
     waited = []
     monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
-    monkeypatch.setattr(nvlink, "capturing", lambda device: capturing and device == torch.device("cuda", 1))
+    monkeypatch.setattr(nvlink, "capturing", lambda device: capturing == "own" and device == torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing == "current")
     transport = NVLinkTransport.__new__(NVLinkTransport)   # (its construction needs GPUs; only the drop is tested)
     transport.group = type("FakeGroup", (), {"broken": broken})()
     transport.device, transport._released = torch.device("cuda", 1), released
-    del transport
+    transport.__del__()   # (called directly: an exception raised in it would fail the test, not just warn)
     assert waited == ([torch.device("cuda", 1)] if waits else [])
+    transport._released = True   # (the collection that follows waits no more)

@@ -596,12 +596,14 @@ class NVLinkTransport(Transport):
         """Dropped without destroy() (a Buffer with explicitly_destroy=False; clients replace one that way):
         wait for this rank's kernels before the memory goes, as DeepEP's destructor does. They may still run on
         streams that the allocator does not track, on this rank's memory or on a peer's mapped here (PyTorch
-        releases a mapping after waiting for the current stream only). Skipped after destroy(), after a timeout
-        (a collective that never finishes may hold the GPU) and during a graph capture (a wait would end it)."""
+        releases a mapping after waiting for the current stream only). Skipped after destroy(), after a failed
+        collective or timeout (one that never finishes may hold the GPU), and while this thread captures a graph
+        on the Buffer's device or the current one (a wait would end the capture; one on another thread cannot be
+        seen, as in DeepEP)."""
         if getattr(self, "_released", True) or self.group.broken:
             return
         try:
-            if not capturing(self.device):
+            if not capturing(self.device) and not torch.cuda.is_current_stream_capturing():
                 torch.cuda.synchronize(self.device)
         except Exception:   # (at interpreter exit CUDA may be gone already)
             pass
