@@ -290,14 +290,14 @@ class Group:
                 return
             while not work.is_completed():
                 if time.monotonic() > deadline:
-                    self._fail(what, "the collective did not finish on the GPU", peers, time.monotonic() - start)
+                    self._fail(what, "the collective did not finish on the GPU", peers, start)
                 time.sleep(0)
             work.wait()  # orders the current stream after the collective
         except CommTimeoutError:
             raise
         except RuntimeError as error:   # what the backend raised (gloo: "Timed out ...", NCCL's watchdog: "... timeout")
             if any(word in str(error).lower() for word in ("timed out", "timeout")):
-                self._fail(what, str(error), peers, time.monotonic() - start)
+                self._fail(what, str(error), peers, start)
             self._broken = what   # the ranks may be out of step
             raise RuntimeError(f"rank {self.rank}: {what} failed: {str(error).strip()}; this Buffer cannot be "
                                "used any more") from error
@@ -308,10 +308,11 @@ class Group:
         if self._broken is None:
             self._broken = what
 
-    def _fail(self, what: str, detail: str, peers: Optional[Sequence[int]], waited_s: float) -> None:
-        """`waited_s` may fall short of `timeout_s`: the backend's own, shorter timeout (the process group's)
-        can end the wait first."""
+    def _fail(self, what: str, detail: str, peers: Optional[Sequence[int]], start: float) -> None:
+        """A wait begun at `start` (time.monotonic) ended: the message gives how long it lasted, which may fall
+        short of `timeout_s` (the backend's own, shorter timeout, the process group's, can end it first)."""
         self._broken = what
+        waited_s = time.monotonic() - start
         awaited = f"the other {self.size - 1} ranks of the group" if peers is None else \
             f"rank{'s' if len(peers) > 1 else ''} {', '.join(str(r) for r in peers)}"
         raise CommTimeoutError(f"rank {self.rank}: {what} did not complete in {waited_s:.1f} s (timeout "
