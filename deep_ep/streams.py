@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+import threading
+from typing import Any, Callable, Iterable, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -40,6 +41,36 @@ def _event_method(name: str) -> Callable[..., None]:
 
 _record = _event_method("record")
 _wait = _event_method("wait")
+
+
+class _OutputStreams(threading.local):
+    """(caller's stream ids, comm stream ids) while CommStream.run runs a call whose outputs may be allocated on
+    the caller's stream (allocate_outputs), else None."""
+    streams: Optional[Tuple[Tuple[int, int, int], Tuple[int, int, int]]] = None
+
+
+_output_streams = _OutputStreams()
+T = TypeVar("T")
+
+
+def allocate_outputs(make: Callable[[], T]) -> T:
+    """`make()`, which allocates a call's output tensors: on the caller's stream while CommStream.run runs a
+    synchronous call that waits for that stream (as DeepEP allocates), else on the current stream.
+
+    Outputs allocated on the comm stream are marked as used by the caller's stream (`record_stream`), and the
+    caching allocator then records an event at every free and queries it at later allocations: several
+    microseconds per tensor, a good part of a short call's host time. An output allocated on the caller's
+    stream needs no mark when the comm stream's work is ordered after everything queued on the caller's stream
+    so far (it waited for it) and the caller's stream waits for the call: a freed output's memory is reused on
+    the caller's stream only, after the call's kernels."""
+    streams = _output_streams.streams
+    if streams is None:
+        return make()
+    torch._C._cuda_setStream(*streams[0])
+    try:
+        return make()
+    finally:
+        torch._C._cuda_setStream(*streams[1])
 
 
 def without_autograd(fn: Callable[[], Any]) -> Any:
@@ -105,9 +136,10 @@ class CommStream:
         Outputs are allocated on the comm stream and marked as used by the calling stream (also inside a
         CUDA-graph capture, where the allocator then keeps a freed output's memory for the rest of the capture,
         so that a later call of the capture, ordered only after an earlier event, cannot get it while the
-        caller's stream still reads it). With `async_finish` the caller's stream does not wait and the returned
-        overlap holds the event; otherwise the caller's stream waits and the overlap's event is None. `fn`
-        runs without autograd (`without_autograd`)."""
+        caller's stream still reads it), except those `fn` allocates through `allocate_outputs` in a synchronous
+        call without `previous_event`, which belong to the caller's stream. With `async_finish` the caller's
+        stream does not wait and the returned overlap holds the event; otherwise the caller's stream waits and the
+        overlap's event is None. `fn` runs without autograd (`without_autograd`)."""
         return without_autograd(lambda: self._run(fn, inputs, previous_event, async_finish, validate))
 
     def _run(self, fn: Callable[[], Any], inputs: Tuple[Any, ...], previous_event: Optional[EventOverlap],
@@ -118,18 +150,22 @@ class CommStream:
             result = fn()
             return result, EventOverlap(EventHandle.completed() if async_finish else None)
         compute_id, compute = self.caller()
-        if previous_event is not None and previous_event.event is not None and not previous_event.event.is_host:
-            _wait(previous_event.event.event, self.stream)
-        else:
+        after_caller = previous_event is None or previous_event.event is None or previous_event.event.is_host
+        if after_caller:
             _record(self._caller_reached, compute)
             _wait(self._caller_reached, self.stream)
+        else:
+            _wait(previous_event.event.event, self.stream)
         caller_device = torch._C._cuda_getDevice()
         torch._C._cuda_setStream(*self.stream_ids)   # (this also makes the Buffer's device current)
+        if after_caller and not async_finish:
+            _output_streams.streams = (compute_id, self.stream_ids)
         try:
             if validate is not None:
                 validate()
             result = fn()
         finally:
+            _output_streams.streams = None
             torch._C._cuda_setStream(*compute_id)
             if caller_device != self.device_index:
                 torch._C._cuda_setDevice(caller_device)

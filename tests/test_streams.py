@@ -3,7 +3,7 @@ Buffer-level stream tests in test_normal.py and test_api.py."""
 import pytest
 import torch
 
-from deep_ep.streams import CommStream
+from deep_ep.streams import CommStream, allocate_outputs
 from deep_ep.utils import EventHandle, EventOverlap
 
 
@@ -36,3 +36,56 @@ def test_an_output_read_by_the_caller_inside_a_capture_is_not_given_to_a_later_c
         torch.cuda.synchronize(device)
         assert torch.equal(kept["doubled"], torch.full((n,), 2.0, device=device))
         assert torch.equal(kept["second"], torch.full((n,), 7.0, device=device))
+
+
+def allocation_stream(tensor: torch.Tensor) -> int:
+    """The raw stream whose caching-allocator pool `tensor`'s memory came from."""
+    address = tensor.untyped_storage().data_ptr()
+    for segment in torch.cuda.memory_snapshot():
+        if segment["address"] <= address < segment["address"] + segment["total_size"]:
+            return segment["stream"]
+    raise AssertionError("the tensor's memory is not in the caching allocator's snapshot")
+
+
+@pytest.mark.gpu
+def test_synchronous_outputs_are_allocated_on_the_callers_stream():
+    """A synchronous call that waits for the caller's stream allocates its outputs there (allocate_outputs), as
+    DeepEP does, so they need no record_stream; an asynchronous call, one after `previous_event`, and tensors
+    allocated otherwise stay on the comm stream (marked as used by the caller's stream)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    comm = CommStream(device)
+    caller = torch.cuda.Stream(device)
+    make = lambda: allocate_outputs(lambda: torch.empty(1 << 20, device=device))  # noqa: E731
+    with torch.cuda.stream(caller):
+        synchronous, _ = comm.run(make, (), None, False)
+        asynchronous, event = comm.run(make, (), None, True)
+        event.current_stream_wait()
+        after_event, _ = comm.run(make, (), EventOverlap(EventHandle()), False)
+        plain, _ = comm.run(lambda: torch.empty(1 << 20, device=device), (), None, False)
+        outside = make()
+    assert allocation_stream(synchronous) == caller.cuda_stream
+    assert allocation_stream(outside) == caller.cuda_stream
+    for tensor in (asynchronous, after_event, plain):
+        assert allocation_stream(tensor) == comm.stream.cuda_stream
+
+
+@pytest.mark.gpu
+def test_a_freed_synchronous_output_is_not_written_by_a_later_call_after_an_earlier_event():
+    """A synchronous output (on the caller's stream) that the caller's stream still reads when it is freed must
+    not become the output of a later call ordered only after an event recorded before that read."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    comm = CommStream(device)
+    n = 1 << 22
+    make = lambda value: lambda: allocate_outputs(lambda: torch.full((n,), value, device=device))  # noqa: E731
+    for _ in range(3):
+        before = EventOverlap(EventHandle())
+        first, _ = comm.run(make(1.0), (), None, False)
+        torch.cuda._sleep(20_000_000)   # the caller's stream reads the output late
+        doubled = first * 2
+        first_address = first.data_ptr()
+        del first
+        second, _ = comm.run(make(7.0), (), before, False)
+        assert second.data_ptr() != first_address, "the later call got the memory the caller still reads"
+        torch.cuda.synchronize(device)
+        assert torch.equal(doubled, torch.full((n,), 2.0, device=device))
+        assert torch.equal(second, torch.full((n,), 7.0, device=device))

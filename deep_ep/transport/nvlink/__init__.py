@@ -36,7 +36,7 @@ import torch
 from ...checks import disagreement, flag_setting, int_setting, too_many_rows_message
 from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology, warn_caller
-from ...streams import capturing
+from ...streams import allocate_outputs, capturing
 from ..base import DispatchOutput, Transport
 from ..reference import ReferenceTransport, dispatch_fields
 from .launcher import Pointer, Relaunch
@@ -258,9 +258,9 @@ class NVLinkTransport(Transport):
         num_tokens, topk = topk_idx.shape
         key = ("layout", topk, num_experts)
         relaunch = self._launch(key, lambda: self._layout_launch(topk, num_experts))
-        per_rank = torch.empty(R, dtype=torch.int32, device=dev)
-        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=dev)
+        per_rank, per_expert, in_rank = allocate_outputs(lambda: (
+            torch.empty(R, dtype=torch.int32, device=dev), torch.empty(num_experts, dtype=torch.int32, device=dev),
+            torch.empty((num_tokens, R), dtype=torch.bool, device=dev)))
         relaunch(topk_idx, per_rank, per_expert, Pointer(in_rank, torch.int8), num_tokens,
                  grid=(max(1, -(-num_tokens // LAYOUT_TOKENS)),))
         return per_rank, None, per_expert, in_rank
@@ -437,11 +437,12 @@ class NVLinkTransport(Transport):
         if x.data_ptr() % 16:
             x = x.clone()      # the kernel moves rows in 16-byte vectors
         scales = None if x_scales is None else x_scales.contiguous()
-        recv_x = x.new_empty((num_rows, x.shape[1]))
-        recv_scales = None if scales is None else scales.new_empty((num_rows, scale_words))
-        recv_idx = None if topk_idx is None else torch.empty((num_rows, topk), dtype=topk_idx.dtype, device=dev)
-        recv_weights = None if topk_weights is None else torch.empty((num_rows, topk), dtype=torch.float32, device=dev)
-        recv_src = torch.empty(num_rows, dtype=torch.int32, device=dev)
+        recv_x, recv_scales, recv_idx, recv_weights, recv_src = allocate_outputs(lambda: (
+            x.new_empty((num_rows, x.shape[1])),
+            None if scales is None else scales.new_empty((num_rows, scale_words)),
+            None if topk_idx is None else torch.empty((num_rows, topk), dtype=topk_idx.dtype, device=dev),
+            None if topk_weights is None else torch.empty((num_rows, topk), dtype=torch.float32, device=dev),
+            torch.empty(num_rows, dtype=torch.int32, device=dev)))
         direct = self._fits_whole(plan.max_recv_rows, slot_words)
         key = ("dispatch", direct, geometry, plan.num_channels, topk_weights is not None, expert_begin,
                experts_per_rank)
@@ -502,9 +503,9 @@ class NVLinkTransport(Transport):
                                                                   bias1 is not None, C))
         in_rank = handle[4]
         num_tokens = in_rank.shape[0]
-        combined = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
-        combined_weights = None if topk_weights is None else torch.empty((num_tokens, topk), dtype=torch.float32,
-                                                                         device=self.device)
+        combined, combined_weights = allocate_outputs(lambda: (
+            torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device),
+            None if topk_weights is None else torch.empty((num_tokens, topk), dtype=torch.float32, device=self.device)))
         dummy = plan.prefix
         inputs = (x, dummy if topk_weights is None else topk_weights, Pointer(in_rank, torch.int8), plan.before)
         outputs = (dummy if bias0 is None else bias0, dummy if bias1 is None else bias1, combined,

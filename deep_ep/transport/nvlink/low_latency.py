@@ -31,6 +31,7 @@ from ...checks import flag_setting, int_setting
 from ...config import LowLatencyLayout, _round_up
 from ...fp8 import num_scale_groups
 from ...group import Group, Topology
+from ...streams import allocate_outputs
 from ..base import LowLatencyDispatchOutput, LowLatencyOptions
 from .launcher import Pointer, Relaunch
 
@@ -271,16 +272,13 @@ class NVLinkLowLatency:
         if plan is None:
             plan = self._plans[key] = self._dispatch_plan(num_max_tokens, hidden, num_experts, topk, options,
                                                           mask, wait_stats is not None, half)
-        if options.use_fp8:
-            recv_x = torch.empty(plan["x_shape"], dtype=torch.float8_e4m3fn, device=dev)
-            recv_scales = torch.empty(plan["scale_shape"], dtype=torch.int32 if options.use_ue8m0 else torch.float32,
-                                      device=dev).transpose(1, 2)
-        else:
-            recv_x = torch.empty(plan["x_shape"], dtype=torch.bfloat16, device=dev)
-            recv_scales = None
-        recv_count = torch.empty(plan["count_shape"], dtype=torch.int32, device=dev)
-        src_info = torch.empty(plan["table_shape"], dtype=torch.int32, device=dev)
-        layout_range = torch.empty(plan["range_shape"], dtype=torch.int64, device=dev)
+        recv_x, recv_scales, recv_count, src_info, layout_range = allocate_outputs(lambda: (
+            torch.empty(plan["x_shape"], dtype=torch.float8_e4m3fn if options.use_fp8 else torch.bfloat16, device=dev),
+            torch.empty(plan["scale_shape"], dtype=torch.int32 if options.use_ue8m0 else torch.float32,
+                        device=dev).transpose(1, 2) if options.use_fp8 else None,
+            torch.empty(plan["count_shape"], dtype=torch.int32, device=dev),
+            torch.empty(plan["table_shape"], dtype=torch.int32, device=dev),
+            torch.empty(plan["range_shape"], dtype=torch.int64, device=dev)))
         route = torch.empty(plan["route_size"], dtype=torch.int32, device=dev)   # [route | OWN] (ll_dispatch.py)
         # the mask as of this call, also for its receive (the kernels mark ranks they give up on in it and in `mask`)
         mask = self._no_words if mask is None else mask.clone()
