@@ -54,7 +54,8 @@ T = TypeVar("T")
 
 
 def allocate_outputs(make: Callable[[], T]) -> T:
-    """`make()`, which allocates a call's output tensors: on the caller's stream while CommStream.run runs a
+    """`make()`, which allocates a call's output tensors and queues nothing on the GPU (no fill: work queued
+    there would not be ordered with the call's kernels): on the caller's stream while CommStream.run runs a
     synchronous call that waits for that stream (as DeepEP allocates), else on the current stream.
 
     Outputs allocated on the comm stream are marked as used by the caller's stream (`record_stream`), and the
@@ -158,12 +159,18 @@ class CommStream:
             _wait(previous_event.event.event, self.stream)
         caller_device = torch._C._cuda_getDevice()
         torch._C._cuda_setStream(*self.stream_ids)   # (this also makes the Buffer's device current)
-        if after_caller and not async_finish:
+        outputs_on_caller = after_caller and not async_finish
+        if outputs_on_caller:
             _output_streams.streams = (compute_id, self.stream_ids)
         try:
             if validate is not None:
                 validate()
             result = fn()
+        except BaseException:
+            if outputs_on_caller:   # outputs dropped by the failed call may still be written by its kernels
+                _record(self._call_done, self.stream)
+                _wait(self._call_done, compute)
+            raise
         finally:
             _output_streams.streams = None
             torch._C._cuda_setStream(*compute_id)

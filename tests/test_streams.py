@@ -7,8 +7,22 @@ from deep_ep.streams import CommStream, allocate_outputs
 from deep_ep.utils import EventHandle, EventOverlap
 
 
+def filled(comm: CommStream, n: int, value: float, on_caller: bool):
+    """A call's body: an output of n floats set to `value` on the comm stream, allocated through allocate_outputs
+    (`on_caller`) or not; checks that the comm stream is current again after the allocation."""
+    device = comm.stream.device
+
+    def fn():
+        out = allocate_outputs(lambda: torch.empty(n, device=device)) if on_caller else torch.empty(n, device=device)
+        out.fill_(value)
+        assert torch.cuda.current_stream(device) == comm.stream
+        return out
+    return fn
+
+
 @pytest.mark.gpu
-def test_an_output_read_by_the_caller_inside_a_capture_is_not_given_to_a_later_call():
+@pytest.mark.parametrize("on_caller", [False, True], ids=["comm_stream_output", "allocate_outputs"])
+def test_an_output_read_by_the_caller_inside_a_capture_is_not_given_to_a_later_call(on_caller):
     """Inside a CUDA-graph capture, a call's output that the caller's stream reads and then frees must not become
     the output of a later call of the same capture that is ordered only after an earlier event (the overlap
     pattern: previous_event recorded before the caller's work): nothing in the graph orders that call's writes
@@ -22,12 +36,12 @@ def test_an_output_read_by_the_caller_inside_a_capture_is_not_given_to_a_later_c
     torch.cuda.synchronize(device)
     with torch.cuda.graph(graph, stream=caller):
         before = EventOverlap(EventHandle())   # recorded before the caller's read of the first output
-        first, _ = comm.run(lambda: torch.full((n,), 1.0, device=device), (), None, False)
+        first, _ = comm.run(filled(comm, n, 1.0, on_caller), (), None, False)
         torch.cuda._sleep(20_000_000)   # the caller's stream reads the output late
         kept["doubled"] = first * 2
         first_address = first.data_ptr()
         del first
-        second, _ = comm.run(lambda: torch.full((n,), 7.0, device=device), (), before, False)
+        second, _ = comm.run(filled(comm, n, 7.0, on_caller), (), before, False)
         kept["second_address"] = second.data_ptr()
         kept["second"] = second
     assert kept["second_address"] != first_address, "the later call got the memory the caller still reads"
@@ -36,7 +50,6 @@ def test_an_output_read_by_the_caller_inside_a_capture_is_not_given_to_a_later_c
         torch.cuda.synchronize(device)
         assert torch.equal(kept["doubled"], torch.full((n,), 2.0, device=device))
         assert torch.equal(kept["second"], torch.full((n,), 7.0, device=device))
-
 
 def allocation_stream(tensor: torch.Tensor) -> int:
     """The raw stream whose caching-allocator pool `tensor`'s memory came from."""
@@ -75,17 +88,40 @@ def test_a_freed_synchronous_output_is_not_written_by_a_later_call_after_an_earl
     not become the output of a later call ordered only after an event recorded before that read."""
     device = torch.device("cuda", torch.cuda.current_device())
     comm = CommStream(device)
+    caller = torch.cuda.Stream(device)   # (its own pool: the freed output is the only block of its size there)
     n = 1 << 22
-    make = lambda value: lambda: allocate_outputs(lambda: torch.full((n,), value, device=device))  # noqa: E731
-    for _ in range(3):
-        before = EventOverlap(EventHandle())
-        first, _ = comm.run(make(1.0), (), None, False)
-        torch.cuda._sleep(20_000_000)   # the caller's stream reads the output late
-        doubled = first * 2
-        first_address = first.data_ptr()
-        del first
-        second, _ = comm.run(make(7.0), (), before, False)
-        assert second.data_ptr() != first_address, "the later call got the memory the caller still reads"
-        torch.cuda.synchronize(device)
-        assert torch.equal(doubled, torch.full((n,), 2.0, device=device))
-        assert torch.equal(second, torch.full((n,), 7.0, device=device))
+    with torch.cuda.stream(caller):
+        for _ in range(3):
+            before = EventOverlap(EventHandle())
+            first, _ = comm.run(filled(comm, n, 1.0, True), (), None, False)
+            torch.cuda._sleep(20_000_000)   # the caller's stream reads the output late
+            doubled = first * 2
+            first_address = first.data_ptr()
+            del first
+            second, _ = comm.run(filled(comm, n, 7.0, True), (), before, False)
+            assert second.data_ptr() != first_address, "the later call got the memory the caller still reads"
+            torch.cuda.synchronize(device)
+            assert torch.equal(doubled, torch.full((n,), 2.0, device=device))
+            assert torch.equal(second, torch.full((n,), 7.0, device=device))
+
+
+@pytest.mark.gpu
+def test_a_failed_synchronous_call_makes_the_callers_stream_wait_for_its_kernels():
+    """A synchronous call that raises after launching work must still make the caller's stream wait for it: the
+    outputs it allocated on the caller's stream and dropped may still be written by its kernels."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    comm = CommStream(device)
+    caller = torch.cuda.Stream(device)
+
+    def fn():
+        allocate_outputs(lambda: torch.empty(1 << 20, device=device))
+        torch.cuda._sleep(100_000_000)   # a kernel of the call, still running when the call fails
+        raise RuntimeError("failed after launching")
+    with torch.cuda.stream(caller):
+        with pytest.raises(RuntimeError, match="failed after launching"):
+            comm.run(fn, (), None, False)
+        after = torch.cuda.Event()
+        after.record(caller)
+    assert not after.query(), "the caller's stream went on while the failed call's kernel was running"
+    torch.cuda.synchronize(device)
+    assert after.query()
