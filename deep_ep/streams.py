@@ -168,8 +168,7 @@ class CommStream:
             result = fn()
         except BaseException:
             if outputs_on_caller:   # outputs dropped by the failed call may still be written by its kernels
-                _record(self._call_done, self.stream)
-                _wait(self._call_done, compute)
+                self._caller_waits(compute)
             raise
         finally:
             _output_streams.streams = None
@@ -181,11 +180,15 @@ class CommStream:
             if tensor.is_cuda:
                 tensor.record_stream(compute)
         if not async_finish:
-            _record(self._call_done, self.stream)
-            _wait(self._call_done, compute)
+            self._caller_waits(compute)
             return result, EventOverlap(None)
         event = EventHandle(self.stream)
         for tensor in flatten_tensors(inputs):
             if tensor.is_cuda:
                 tensor.record_stream(self.stream)
         return result, EventOverlap(event, extra_tensors=tuple(flatten_tensors(inputs)) + tuple(outputs))
+
+    def _caller_waits(self, compute: torch.cuda.Stream) -> None:
+        """The caller's stream waits for everything queued on the comm stream so far."""
+        _record(self._call_done, self.stream)
+        _wait(self._call_done, compute)

@@ -51,6 +51,7 @@ def test_an_output_read_by_the_caller_inside_a_capture_is_not_given_to_a_later_c
         assert torch.equal(kept["doubled"], torch.full((n,), 2.0, device=device))
         assert torch.equal(kept["second"], torch.full((n,), 7.0, device=device))
 
+
 def allocation_stream(tensor: torch.Tensor) -> int:
     """The raw stream whose caching-allocator pool `tensor`'s memory came from."""
     address = tensor.untyped_storage().data_ptr()
