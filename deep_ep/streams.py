@@ -7,6 +7,7 @@ import threading
 from typing import Any, Callable, Iterable, List, Optional, Tuple, TypeVar
 
 import torch
+import torch.utils.deterministic
 
 from .utils import EventHandle, EventOverlap
 
@@ -56,7 +57,8 @@ T = TypeVar("T")
 def allocate_outputs(make: Callable[[], T]) -> T:
     """`make()`, which allocates a call's output tensors and queues nothing on the GPU (no fill: work queued
     there would not be ordered with the call's kernels): on the caller's stream while CommStream.run runs a
-    synchronous call that waits for that stream (as DeepEP allocates), else on the current stream.
+    synchronous call that waits for that stream (as DeepEP allocates) and torch does not fill new memory
+    (`fills_new_memory`), else on the current stream.
 
     Outputs allocated on the comm stream are marked as used by the caller's stream (`record_stream`), and the
     caching allocator then records an event at every free and queries it at later allocations: several
@@ -72,6 +74,12 @@ def allocate_outputs(make: Callable[[], T]) -> T:
         return make()
     finally:
         torch._C._cuda_setStream(*streams[1])
+
+
+def fills_new_memory() -> bool:
+    """Whether torch fills every new tensor (deterministic algorithms with `fill_uninitialized_memory`, its
+    default there): the fill is a kernel that the allocation itself queues on the current stream."""
+    return torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
 
 
 def without_autograd(fn: Callable[[], Any]) -> Any:
@@ -138,9 +146,9 @@ class CommStream:
         CUDA-graph capture, where the allocator then keeps a freed output's memory for the rest of the capture,
         so that a later call of the capture, ordered only after an earlier event, cannot get it while the
         caller's stream still reads it), except those `fn` allocates through `allocate_outputs` in a synchronous
-        call without `previous_event`, which belong to the caller's stream. With `async_finish` the caller's
-        stream does not wait and the returned overlap holds the event; otherwise the caller's stream waits and the
-        overlap's event is None. `fn` runs without autograd (`without_autograd`)."""
+        call without `previous_event`, which belong to the caller's stream unless torch fills new memory. With
+        `async_finish` the caller's stream does not wait and the returned overlap holds the event; otherwise the
+        caller's stream waits and the overlap's event is None. `fn` runs without autograd (`without_autograd`)."""
         return without_autograd(lambda: self._run(fn, inputs, previous_event, async_finish, validate))
 
     def _run(self, fn: Callable[[], Any], inputs: Tuple[Any, ...], previous_event: Optional[EventOverlap],
@@ -159,7 +167,8 @@ class CommStream:
             _wait(previous_event.event.event, self.stream)
         caller_device = torch._C._cuda_getDevice()
         torch._C._cuda_setStream(*self.stream_ids)   # (this also makes the Buffer's device current)
-        outputs_on_caller = after_caller and not async_finish
+        # (a fill that an allocation queued on the caller's stream would not be ordered with the call's kernels)
+        outputs_on_caller = after_caller and not async_finish and not fills_new_memory()
         if outputs_on_caller:
             _output_streams.streams = (compute_id, self.stream_ids)
         try:

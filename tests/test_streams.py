@@ -1,9 +1,12 @@
 """The communication stream (deep_ep/streams.py): what a call's outputs and inputs are tied to, beyond the
 Buffer-level stream tests in test_normal.py and test_api.py."""
+import contextlib
+
 import pytest
 import torch
+import torch.utils.deterministic
 
-from deep_ep.streams import CommStream, allocate_outputs
+from deep_ep.streams import CommStream, allocate_outputs, fills_new_memory
 from deep_ep.utils import EventHandle, EventOverlap
 
 
@@ -81,6 +84,47 @@ def test_synchronous_outputs_are_allocated_on_the_callers_stream():
     assert allocation_stream(outside) == caller.cuda_stream
     for tensor in (asynchronous, after_event, plain):
         assert allocation_stream(tensor) == comm.stream.cuda_stream
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(fill: bool):
+    """torch's deterministic algorithms on, with new tensors filled or not; the previous settings after."""
+    deterministic = torch.utils.deterministic
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True)
+    deterministic.fill_uninitialized_memory = fill
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        deterministic.fill_uninitialized_memory = before[2]
+
+
+def test_fills_new_memory_follows_torchs_settings():
+    with deterministic_algorithms(fill=True):
+        assert fills_new_memory()
+    with deterministic_algorithms(fill=False):
+        assert not fills_new_memory()
+    if not torch.are_deterministic_algorithms_enabled():
+        assert not fills_new_memory()
+
+
+@pytest.mark.gpu
+def test_synchronous_outputs_stay_on_the_comm_stream_when_torch_fills_new_memory():
+    """Under deterministic algorithms torch fills every new tensor, with a kernel that the allocation queues on
+    the current stream; on the caller's stream that fill would not be ordered with the call's kernels and could
+    overwrite what they wrote. So a synchronous call then allocates its outputs on the comm stream, where the
+    fill comes before its kernels, and every output holds what the call wrote."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    comm = CommStream(device)
+    caller = torch.cuda.Stream(device)
+    with deterministic_algorithms(fill=True), torch.cuda.stream(caller):
+        outputs = [comm.run(filled(comm, 1 << 24, 3.0, True), (), None, False)[0] for _ in range(4)]
+    torch.cuda.synchronize(device)
+    for out in outputs:
+        assert allocation_stream(out) == comm.stream.cuda_stream
+        assert torch.equal(out, torch.full_like(out, 3.0))
 
 
 @pytest.mark.gpu
