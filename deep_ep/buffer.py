@@ -637,8 +637,10 @@ class Buffer:
             self._slots.take(half)
             return result, receive
 
+        # (`result`, allocated here on the caller's stream and written on the comm stream, is marked as an input:
+        # an asynchronous call's output is otherwise only marked for the caller's stream, a no-op for its memory)
         _, event, hook = self._run_low_latency(launch, None, half, "low_latency_combine", async_finish,
-                                               return_recv_hook, (x, topk_idx, topk_weights))
+                                               return_recv_hook, (x, topk_idx, topk_weights, result))
         if async_finish:
             event.extra_tensors = (x, topk_idx, topk_weights, src_info, layout_range, result)
         return result, event, hook

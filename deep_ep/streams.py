@@ -57,8 +57,10 @@ T = TypeVar("T")
 def allocate_outputs(make: Callable[[], T]) -> T:
     """`make()`, which allocates a call's output tensors and queues nothing on the GPU (no fill: work queued
     there would not be ordered with the call's kernels): on the caller's stream while CommStream.run runs a
-    synchronous call that waits for that stream (as DeepEP allocates) and torch does not fill new memory
-    (`fills_new_memory`), else on the current stream.
+    synchronous call that waits for that stream (as DeepEP allocates), with PyTorch's native caching allocator
+    and while torch does not fill new memory (`fills_new_memory`); else on the current stream. (With the
+    cudaMallocAsync backend an allocation is itself work ordered on its stream, which the comm stream, having
+    waited before it, would not be ordered after.)
 
     Outputs allocated on the comm stream are marked as used by the caller's stream (`record_stream`), and the
     caching allocator then records an event at every free and queries it at later allocations: several
@@ -125,6 +127,7 @@ class CommStream:
             self._caller_reached = torch.cuda.Event()
             self._call_done = torch.cuda.Event()
             self._caller: Tuple[Any, Optional[torch.cuda.Stream]] = (None, None)   # (stream id, Stream)
+            self._native_allocator = torch.cuda.get_allocator_backend() == "native"
 
     def caller(self) -> Tuple[Tuple[int, int, int], torch.cuda.Stream]:
         """The caller's stream on the Buffer's device: (its id triple, a Stream object for it)."""
@@ -146,9 +149,10 @@ class CommStream:
         CUDA-graph capture, where the allocator then keeps a freed output's memory for the rest of the capture,
         so that a later call of the capture, ordered only after an earlier event, cannot get it while the
         caller's stream still reads it), except those `fn` allocates through `allocate_outputs` in a synchronous
-        call without `previous_event`, which belong to the caller's stream unless torch fills new memory. With
+        call without `previous_event`, which belong to the caller's stream (see `allocate_outputs` for when). With
         `async_finish` the caller's stream does not wait and the returned overlap holds the event; otherwise the
-        caller's stream waits and the overlap's event is None. `fn` runs without autograd (`without_autograd`)."""
+        caller's stream waits and the overlap's event is None, also when `fn` raises. `fn` runs without autograd
+        (`without_autograd`)."""
         return without_autograd(lambda: self._run(fn, inputs, previous_event, async_finish, validate))
 
     def _run(self, fn: Callable[[], Any], inputs: Tuple[Any, ...], previous_event: Optional[EventOverlap],
@@ -168,7 +172,7 @@ class CommStream:
         caller_device = torch._C._cuda_getDevice()
         torch._C._cuda_setStream(*self.stream_ids)   # (this also makes the Buffer's device current)
         # (a fill that an allocation queued on the caller's stream would not be ordered with the call's kernels)
-        outputs_on_caller = after_caller and not async_finish and not fills_new_memory()
+        outputs_on_caller = after_caller and not async_finish and self._native_allocator and not fills_new_memory()
         if outputs_on_caller:
             _output_streams.streams = (compute_id, self.stream_ids)
         try:
@@ -176,7 +180,9 @@ class CommStream:
                 validate()
             result = fn()
         except BaseException:
-            if outputs_on_caller:   # outputs dropped by the failed call may still be written by its kernels
+            # the failed call's kernels may still read its inputs and write outputs it dropped (on the caller's
+            # stream, or freed to the caller's stream by their marks)
+            if not async_finish:
                 self._caller_waits(compute)
             raise
         finally:

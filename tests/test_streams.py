@@ -151,9 +151,11 @@ def test_a_freed_synchronous_output_is_not_written_by_a_later_call_after_an_earl
 
 
 @pytest.mark.gpu
-def test_a_failed_synchronous_call_makes_the_callers_stream_wait_for_its_kernels():
-    """A synchronous call that raises after launching work must still make the caller's stream wait for it: the
-    outputs it allocated on the caller's stream and dropped may still be written by its kernels."""
+@pytest.mark.parametrize("case", ["outputs_on_caller", "torch_fills_new_memory", "after_previous_event"])
+def test_a_failed_synchronous_call_makes_the_callers_stream_wait_for_its_kernels(case):
+    """A synchronous call that raises after launching work must still make the caller's stream wait for it,
+    wherever its outputs were allocated: the outputs it dropped may still be written by its kernels, and the
+    inputs the caller frees may still be read by them."""
     device = torch.device("cuda", torch.cuda.current_device())
     comm = CommStream(device)
     caller = torch.cuda.Stream(device)
@@ -162,9 +164,11 @@ def test_a_failed_synchronous_call_makes_the_callers_stream_wait_for_its_kernels
         allocate_outputs(lambda: torch.empty(1 << 20, device=device))
         torch.cuda._sleep(100_000_000)   # a kernel of the call, still running when the call fails
         raise RuntimeError("failed after launching")
-    with torch.cuda.stream(caller):
+    fill = deterministic_algorithms(fill=True) if case == "torch_fills_new_memory" else contextlib.nullcontext()
+    with torch.cuda.stream(caller), fill:
+        previous = EventOverlap(EventHandle()) if case == "after_previous_event" else None
         with pytest.raises(RuntimeError, match="failed after launching"):
-            comm.run(fn, (), None, False)
+            comm.run(fn, (), previous, False)
         after = torch.cuda.Event()
         after.record(caller)
     assert not after.query(), "the caller's stream went on while the failed call's kernel was running"
