@@ -171,7 +171,7 @@ class CommStream:
             _wait(previous_event.event.event, self.stream)
         caller_device = torch._C._cuda_getDevice()
         torch._C._cuda_setStream(*self.stream_ids)   # (this also makes the Buffer's device current)
-        # (a fill that an allocation queued on the caller's stream would not be ordered with the call's kernels)
+        # (allocate_outputs says when the caller's stream may hold outputs)
         outputs_on_caller = after_caller and not async_finish and self._native_allocator and not fills_new_memory()
         if outputs_on_caller:
             _output_streams.streams = (compute_id, self.stream_ids)

@@ -14,6 +14,7 @@ an NCCL group when every rank has its own GPU, else a gloo group with CUDA tenso
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -23,7 +24,7 @@ import threading
 import traceback
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -90,22 +91,29 @@ def release(version: str) -> tuple:
     return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
 
 
-def run_deterministic(ctx: RankContext, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(ctx, *args)` with torch's deterministic algorithms on and new tensors filled (NaN, the largest
-    integer): an op without a deterministic kernel raises, and a kernel that reads memory nobody wrote gets
-    values that show. (Frameworks turn this mode on for reproducible training.) Torch 2.4 cannot fill a new
-    FP8 tensor (it raises, in its own casts too), so there new tensors are left as they come."""
+@contextlib.contextmanager
+def deterministic_algorithms(fill: bool) -> Iterator[None]:
+    """torch's deterministic algorithms on, with new tensors filled (NaN, the largest integer) or not; the
+    previous settings after."""
     import torch.utils.deterministic as deterministic
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               deterministic.fill_uninitialized_memory)
     torch.use_deterministic_algorithms(True)
-    # (filling is the default; set in case the caller turned it off)
-    deterministic.fill_uninitialized_memory = release(torch.__version__) >= (2, 5)
+    deterministic.fill_uninitialized_memory = fill
     try:
-        return fn(ctx, *args)
+        yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         deterministic.fill_uninitialized_memory = before[2]
+
+
+def run_deterministic(ctx: RankContext, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(ctx, *args)` with torch's deterministic algorithms on and new tensors filled: an op without a
+    deterministic kernel raises, and a kernel that reads memory nobody wrote gets values that show.
+    (Frameworks turn this mode on for reproducible training.) Torch 2.4 cannot fill a new FP8 tensor (it
+    raises, in its own casts too), so there new tensors are left as they come."""
+    with deterministic_algorithms(fill=release(torch.__version__) >= (2, 5)):
+        return fn(ctx, *args)
 
 
 def run_under_defaults(ctx: RankContext, fn: Callable[..., Any], *args: Any) -> Any:

@@ -4,7 +4,7 @@ import contextlib
 
 import pytest
 import torch
-import torch.utils.deterministic
+from dist_utils import deterministic_algorithms
 
 from deep_ep.streams import CommStream, allocate_outputs, fills_new_memory
 from deep_ep.utils import EventHandle, EventOverlap
@@ -84,21 +84,6 @@ def test_synchronous_outputs_are_allocated_on_the_callers_stream():
     assert allocation_stream(outside) == caller.cuda_stream
     for tensor in (asynchronous, after_event, plain):
         assert allocation_stream(tensor) == comm.stream.cuda_stream
-
-
-@contextlib.contextmanager
-def deterministic_algorithms(fill: bool):
-    """torch's deterministic algorithms on, with new tensors filled or not; the previous settings after."""
-    deterministic = torch.utils.deterministic
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-              deterministic.fill_uninitialized_memory)
-    torch.use_deterministic_algorithms(True)
-    deterministic.fill_uninitialized_memory = fill
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        deterministic.fill_uninitialized_memory = before[2]
 
 
 def test_fills_new_memory_follows_torchs_settings():
