@@ -9,6 +9,7 @@ peers. Layout of each buffer (all offsets in bytes, identical on every rank):
 """
 from __future__ import annotations
 
+import inspect
 from typing import List
 
 import torch
@@ -46,12 +47,20 @@ def _open_on(device_index: int, rebuild, args) -> torch.Tensor:
     """Open a peer's IPC handle in this rank's own device context (PyTorch would open it on the owner's
     device, where this rank's kernels cannot reach it)."""
     args = list(args)
-    args[_STORAGE_DEVICE_ARG] = device_index
+    args[storage_device_position(rebuild)] = device_index
     return rebuild(*args)
 
 
-# position of `storage_device` in the arguments of torch.multiprocessing.reductions.rebuild_cuda_tensor
-_STORAGE_DEVICE_ARG = 6
+def storage_device_position(rebuild) -> int:
+    """Where `storage_device` stands in the arguments of PyTorch's CUDA tensor rebuild function (read from its
+    signature, so that a reordering in a later PyTorch is an error here, not a handle opened on a wrong GPU)."""
+    names = list(inspect.signature(rebuild).parameters)
+    if "storage_device" not in names:
+        raise RuntimeError(f"the NVLink transport cannot open CUDA IPC handles with this PyTorch "
+                           f"({torch.__version__}): {getattr(rebuild, '__qualname__', rebuild)} takes no "
+                           f"'storage_device' argument (its arguments: {', '.join(names)}); "
+                           f"use transport='reference'")
+    return names.index("storage_device")
 
 
 def _enable_peer_access(own: int, other: int) -> None:
