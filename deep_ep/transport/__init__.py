@@ -36,8 +36,8 @@ def select_transport(name: str, group: Group, topology: Topology, device: torch.
     fits = nvlink_fits(group, topology, device, num_nvl_bytes + num_low_latency_bytes)
     if name == "nvlink" and not fits:
         raise ValueError("transport='nvlink' needs every rank on one node, on CUDA devices with peer access "
-                         "and native atomics to each other (NVLink), Triton >= 3.6 installed, and num_nvl_bytes > 0 "
-                         "(or a low-latency buffer)")
+                         "and native atomics to each other (NVLink), Triton >= 3.6 installed, a PyTorch whose CUDA IPC "
+                         "rebuild takes a storage_device argument, and num_nvl_bytes > 0 (or a low-latency buffer)")
     if fits:
         from .nvlink import NVLinkTransport
         return NVLinkTransport(group, topology, device, num_nvl_bytes, num_low_latency_bytes, timeout_s)
@@ -47,7 +47,7 @@ def select_transport(name: str, group: Group, topology: Topology, device: torch.
 def nvlink_fits(group: Group, topology: Topology, device: torch.device, num_bytes: int) -> bool:
     """Collective: every rank must agree, so the answer is the AND over the group."""
     usable = (device.type == "cuda" and not topology.is_internode and num_bytes > 0
-              and triton_supported())
+              and triton_supported() and _ipc_handles_open_on_own_device())
     devices = group.gather_ints(device.index if usable else -1, "NVLink transport check")
     if any(d < 0 for d in devices):
         return False
@@ -64,6 +64,17 @@ def triton_supported(version: Optional[str] = None) -> bool:
         version = triton.__version__
     numbers = re.match(r"(\d+)\.(\d+)", version)
     return numbers is not None and (int(numbers[1]), int(numbers[2])) >= OLDEST_TRITON
+
+
+def _ipc_handles_open_on_own_device() -> bool:
+    """Whether this PyTorch lets a rank open a peer's CUDA IPC handle on its own device (see peer_memory)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    from .nvlink.peer_memory import storage_device_position
+    try:
+        storage_device_position(rebuild_cuda_tensor)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _peer_kernels_work(a: int, b: int) -> bool:
