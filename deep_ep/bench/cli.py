@@ -111,7 +111,6 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[
     return plan
 
 
-
 def _num_phases(plan: Dict[str, Any]) -> int:
     graphs = plan["device"] == "cuda" and plan["transport"] != "reference"   # the NVLink path: CUDA graphs
     return (6 if "normal" in plan["modes"] else 0) + ((4 + graphs) if "low-latency" in plan["modes"] else 0)
