@@ -40,7 +40,7 @@ nvidia-smi topo -m 2>&1 | head -n 4
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', $gpus)"
 if [ "$gpus" -ge 2 ]; then   # the NVLink transport needs native peer atomics ('auto' falls back to the reference)
-    python3 -c "from deep_ep.transport import _peer_kernels_work as ok; print('peer atomics 0-1:', ok(0, 1))"
+    python3 -c "from deep_ep.utils import native_peer_atomics as ok; print('peer atomics 0-1:', ok(0, 1))"
 fi
 
 bench_status=0

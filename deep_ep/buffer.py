@@ -17,7 +17,7 @@ from .low_latency import LowLatencySlots, ReceiveHook
 from .streams import CommStream, capturing, stream_of, without_autograd
 from .transport import TRANSPORTS, select_transport, transport_name
 from .transport.base import LowLatencyOptions
-from .utils import EventHandle, EventOverlap, check_nvlink_connections
+from .utils import EventHandle, EventOverlap
 
 DEFAULT_TIMEOUT_S = 100.0
 MAX_TIMEOUT_S = 1e6   # (about 11 days; the GPU's waits count nanoseconds in 64 bits)
@@ -153,8 +153,6 @@ class Buffer:
         self.topology = Topology(self.rank, self.group_size, num_ranks_per_node)
         if self.topology.is_internode and num_ranks_per_node > 32:
             raise ValueError(f"num_ranks_per_node must be <= 32 across nodes (a 32-bit rank mask), got {num_ranks_per_node}")
-        if self.device.type == "cuda" and group is not None:
-            check_nvlink_connections(group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         self.enable_shrink = enable_shrink

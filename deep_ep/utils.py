@@ -1,7 +1,7 @@
 """Events for overlapping communication with computation, as in DeepEP's `deep_ep.utils`."""
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,17 +71,51 @@ class EventOverlap:
 
 
 def check_nvlink_connections(group: dist.ProcessGroup) -> None:
-    """Check that PCIe-attached GPUs of `group` have pairwise NVLink (DeepEP's rule: at most 2 such ranks)."""
-    if not torch.cuda.is_available():
-        return
-    if "PCIE" not in torch.cuda.get_device_name().upper():
+    """DeepEP's check for PCIe GPUs, for callers that run it themselves (the `Buffer` does not: its transport
+    choice tests every pair of GPUs for the peer atomics its NVLink kernels need, and a group without them is
+    served by the reference transport).
+
+    Acts only when the current GPU's name contains "PCIe": the group must have at most 2 ranks, and every pair
+    of its GPUs (identified by UUID, so ranks that see the GPUs under different `CUDA_VISIBLE_DEVICES` are
+    compared by their physical GPU) must be connected by NVLink, tested as native peer atomics (which PCIe
+    peer access lacks). Raises AssertionError naming what failed.
+    """
+    if not torch.cuda.is_available() or "PCIE" not in torch.cuda.get_device_name().upper():
         return
     if group.size() > 2:
-        raise RuntimeError(f"check_nvlink_connections: PCIe GPUs only have pairwise NVLink connections, "
-                           f"but the group has {group.size()} ranks (expected <= 2)")
-    devices = [None] * group.size()
-    dist.all_gather_object(devices, torch.cuda.current_device(), group=group)
-    for a in devices:
-        for b in devices:
-            if a != b and not torch.cuda.can_device_access_peer(a, b):
-                raise RuntimeError(f"check_nvlink_connections: GPU {a} cannot access GPU {b} as a peer")
+        raise AssertionError(f"check_nvlink_connections: PCIe GPUs only have pairwise NVLink connections, "
+                             f"but the group has {group.size()} ranks (expected <= 2)")
+    uuids: List[Optional[str]] = [None] * group.size()
+    dist.all_gather_object(uuids, gpu_uuid(torch.cuda.current_device()), group=group)
+    visible = {gpu_uuid(index): index for index in range(torch.cuda.device_count())}
+    for rank, uuid in enumerate(uuids):
+        if uuid not in visible:
+            raise AssertionError(f"check_nvlink_connections: the GPU of rank {rank} ({uuid}) is not visible to this "
+                                 f"process (CUDA_VISIBLE_DEVICES), so its NVLink connection cannot be checked")
+    for a in set(uuids):
+        for b in set(uuids):
+            if a != b and not native_peer_atomics(visible[a], visible[b]):
+                raise AssertionError(f"check_nvlink_connections: GPUs {a} and {b} are not connected by NVLink "
+                                     f"(no native peer atomics between them)")
+
+
+def gpu_uuid(index: int) -> str:
+    """The UUID of the visible CUDA device `index` (the same GPU has the same UUID in every process)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def native_peer_atomics(a: int, b: int) -> bool:
+    """Whether kernels on visible GPU `a` may store into GPU `b`'s memory and poll counters there with
+    system-scope atomics: peer access, and atomics the link carries natively (NVLink does; many PCIe set-ups
+    do not). Needs the `cuda-bindings` package (False without it)."""
+    if a == b:
+        return True
+    if not torch.cuda.can_device_access_peer(a, b):
+        return False
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        return False
+    error, native = runtime.cudaDeviceGetP2PAttribute(runtime.cudaDeviceP2PAttr.cudaDevP2PAttrNativeAtomicSupported,
+                                                      a, b)
+    return error == runtime.cudaError_t.cudaSuccess and native == 1

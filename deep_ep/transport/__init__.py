@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from ..group import Group, Topology
+from ..utils import native_peer_atomics
 from .base import Transport
 from .reference import ReferenceTransport
 
@@ -51,7 +52,7 @@ def nvlink_fits(group: Group, topology: Topology, device: torch.device, num_byte
     devices = group.gather_ints(device.index if usable else -1, "NVLink transport check")
     if any(d < 0 for d in devices):
         return False
-    return all(_peer_kernels_work(a, b) for a in set(devices) for b in set(devices))
+    return all(native_peer_atomics(a, b) for a in set(devices) for b in set(devices))
 
 
 def triton_supported(version: Optional[str] = None) -> bool:
@@ -75,22 +76,6 @@ def _ipc_handles_open_on_own_device() -> bool:
     except RuntimeError:
         return False
     return True
-
-
-def _peer_kernels_work(a: int, b: int) -> bool:
-    """Whether kernels on GPU `a` may store into GPU `b`'s memory and poll counters there with system-scope
-    atomics: peer access, and atomics the link carries natively (NVLink does; many PCIe set-ups do not)."""
-    if a == b:
-        return True
-    if not torch.cuda.can_device_access_peer(a, b):
-        return False
-    try:
-        from cuda.bindings import runtime   # (the NVLink transport enables peer access through it too)
-    except ImportError:
-        return False
-    error, native = runtime.cudaDeviceGetP2PAttribute(runtime.cudaDeviceP2PAttr.cudaDevP2PAttrNativeAtomicSupported,
-                                                      a, b)
-    return error == runtime.cudaError_t.cudaSuccess and native == 1
 
 
 __all__ = ["Transport", "ReferenceTransport", "select_transport", "transport_name", "TRANSPORTS"]
