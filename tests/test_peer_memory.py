@@ -29,10 +29,10 @@ def test_a_rebuild_function_without_the_argument_is_a_clear_error():
         storage_device_position(renamed)
 
 
-def test_auto_selection_passes_over_nvlink_when_handles_cannot_be_opened(monkeypatch):
+def test_handles_cannot_be_opened_without_the_argument(monkeypatch):
     import torch.multiprocessing.reductions as reductions
-    from deep_ep.transport import _ipc_handles_open_on_own_device
+    from deep_ep.transport.nvlink.peer_memory import ipc_handles_open_on_own_device
 
-    assert _ipc_handles_open_on_own_device()
+    assert ipc_handles_open_on_own_device()
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda tensor_cls, tensor_size, device: None)
-    assert not _ipc_handles_open_on_own_device()
+    assert not ipc_handles_open_on_own_device()

@@ -1,5 +1,5 @@
 """deep_ep.utils.check_nvlink_connections (DeepEP's PCIe rule) with the GPUs and the group stood in for."""
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import pytest
 import torch

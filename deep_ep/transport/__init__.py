@@ -47,8 +47,10 @@ def select_transport(name: str, group: Group, topology: Topology, device: torch.
 
 def nvlink_fits(group: Group, topology: Topology, device: torch.device, num_bytes: int) -> bool:
     """Collective: every rank must agree, so the answer is the AND over the group."""
-    usable = (device.type == "cuda" and not topology.is_internode and num_bytes > 0
-              and triton_supported() and _ipc_handles_open_on_own_device())
+    usable = device.type == "cuda" and not topology.is_internode and num_bytes > 0 and triton_supported()
+    if usable:
+        from .nvlink.peer_memory import ipc_handles_open_on_own_device   # (imports Triton: checked first)
+        usable = ipc_handles_open_on_own_device()
     devices = group.gather_ints(device.index if usable else -1, "NVLink transport check")
     if any(d < 0 for d in devices):
         return False
@@ -65,17 +67,6 @@ def triton_supported(version: Optional[str] = None) -> bool:
         version = triton.__version__
     numbers = re.match(r"(\d+)\.(\d+)", version)
     return numbers is not None and (int(numbers[1]), int(numbers[2])) >= OLDEST_TRITON
-
-
-def _ipc_handles_open_on_own_device() -> bool:
-    """Whether this PyTorch lets a rank open a peer's CUDA IPC handle on its own device (see peer_memory)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-    from .nvlink.peer_memory import storage_device_position
-    try:
-        storage_device_position(rebuild_cuda_tensor)
-    except RuntimeError:
-        return False
-    return True
 
 
 __all__ = ["Transport", "ReferenceTransport", "select_transport", "transport_name", "TRANSPORTS"]

@@ -13,7 +13,7 @@ import inspect
 from typing import List
 
 import torch
-from torch.multiprocessing.reductions import reduce_tensor
+from torch.multiprocessing import reductions
 
 from ...group import Group
 
@@ -25,7 +25,7 @@ class PeerBuffers:
         # one share per peer: PyTorch gives each share a cross-process counter that its one consumer
         # releases, and keeps the memory (reporting it at exit) while a counter is held. A single share opened
         # by every peer would be released too often with 3+ ranks and never with one.
-        shares = [None if rank == group.rank else reduce_tensor(local) for rank in range(group.size)]
+        shares = [None if rank == group.rank else reductions.reduce_tensor(local) for rank in range(group.size)]
         shared = group.all_gather_object((local.device.index, shares), "CUDA IPC handle exchange")
         for device_index, _ in shared:
             _enable_peer_access(local.device.index, device_index)
@@ -49,6 +49,15 @@ def _open_on(device_index: int, rebuild, args) -> torch.Tensor:
     args = list(args)
     args[storage_device_position(rebuild)] = device_index
     return rebuild(*args)
+
+
+def ipc_handles_open_on_own_device() -> bool:
+    """Whether this PyTorch lets a rank open a peer's CUDA IPC handle on its own device (`_open_on`)."""
+    try:
+        storage_device_position(reductions.rebuild_cuda_tensor)
+    except RuntimeError:
+        return False
+    return True
 
 
 def storage_device_position(rebuild) -> int:
