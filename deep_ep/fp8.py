@@ -96,7 +96,8 @@ _LOGFMT_CODES = 510  # codes 1..511 on the grid; 0 encodes zero
 def logfmt_roundtrip(x: torch.Tensor) -> torch.Tensor:
     """Encode and decode BF16 rows `[T, H]` with LogFMT-10, returning what the receiver reconstructs (BF16).
 
-    Per 128-channel group the sender knows `amax`/`amin` of `|x|`. A chunk of 1024 channels (512 when
+    Per 128-channel group the sender knows `amax`/`amin` of `|x|` (over the group's channels: a short last
+    group's padding does not count). A chunk of 1024 channels (512 when
     `H % 1024 != 0`) is encoded only if every group in it has `amax < 1` and `amin < amax`; otherwise it
     travels as BF16 unchanged. Encoded values snap to the nearest (in linear space) of 511 log-spaced
     levels between `max(log2(amin), log2(amax) - 32)` and `log2(amax)`, or to zero.
@@ -108,7 +109,9 @@ def logfmt_roundtrip(x: torch.Tensor) -> torch.Tensor:
     v = _groups(x)
     mag = v.abs()
     amax = mag.amax(-1, keepdim=True)
-    amin = mag.amin(-1, keepdim=True)
+    # the zero padding of a short last group must not lower its amin (that would widen its grid)
+    channel = torch.arange(groups * GROUP, device=x.device).view(1, groups, GROUP)
+    amin = torch.where(channel < hidden, mag, torch.full_like(mag, float("inf"))).amin(-1, keepdim=True)
     log_amax = torch.log2(amax)
     log_amin = torch.maximum(torch.log2(amin), log_amax - 32)
     # multiplied by the float32 reciprocal, not divided: the same bits on CPU and CUDA (CUDA's division by a

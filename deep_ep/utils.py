@@ -1,7 +1,7 @@
 """Events for overlapping communication with computation, as in DeepEP's `deep_ep.utils`."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -87,7 +87,7 @@ def check_nvlink_connections(group: dist.ProcessGroup) -> None:
                              f"but the group has {group.size()} ranks (expected <= 2)")
     uuids: List[Optional[str]] = [None] * group.size()
     dist.all_gather_object(uuids, gpu_uuid(torch.cuda.current_device()), group=group)
-    visible = {gpu_uuid(index): index for index in range(torch.cuda.device_count())}
+    visible = visible_gpus()
     for rank, uuid in enumerate(uuids):
         if uuid not in visible:
             raise AssertionError(f"check_nvlink_connections: the GPU of rank {rank} ({uuid}) is not visible to this "
@@ -102,6 +102,21 @@ def check_nvlink_connections(group: dist.ProcessGroup) -> None:
 def gpu_uuid(index: int) -> str:
     """The UUID of the visible CUDA device `index` (the same GPU has the same UUID in every process)."""
     return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def visible_gpus() -> Dict[str, int]:
+    """The index in this process of every GPU it sees, by UUID."""
+    return {gpu_uuid(index): index for index in range(torch.cuda.device_count())}
+
+
+def native_peer_atomics_with_all(own: str, gpus: List[str]) -> bool:
+    """Whether the GPU with UUID `own` and each GPU of `gpus` (UUIDs; `own` may be among them) are visible to
+    this process and have native peer atomics both ways."""
+    visible = visible_gpus()
+    if own not in visible or any(gpu not in visible for gpu in gpus):
+        return False
+    return all(native_peer_atomics(visible[own], visible[gpu]) and native_peer_atomics(visible[gpu], visible[own])
+               for gpu in set(gpus))
 
 
 def native_peer_atomics(a: int, b: int) -> bool:

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ..group import Group, Topology
-from ..utils import native_peer_atomics
+from ..utils import gpu_uuid, native_peer_atomics_with_all
 from .base import Transport
 from .reference import ReferenceTransport
 
@@ -46,15 +46,19 @@ def select_transport(name: str, group: Group, topology: Topology, device: torch.
 
 
 def nvlink_fits(group: Group, topology: Topology, device: torch.device, num_bytes: int) -> bool:
-    """Collective: every rank must agree, so the answer is the AND over the group."""
+    """Collective: every rank must agree, so the answer is the AND over the group. GPUs are compared by UUID
+    (processes may see them under different `CUDA_VISIBLE_DEVICES`); a rank that cannot see a peer's GPU
+    cannot enable peer access to it, so its verdict is no."""
     usable = device.type == "cuda" and not topology.is_internode and num_bytes > 0 and triton_supported()
     if usable:
         from .nvlink.peer_memory import ipc_handles_open_on_own_device   # (imports Triton: checked first)
         usable = ipc_handles_open_on_own_device()
-    devices = group.gather_ints(device.index if usable else -1, "NVLink transport check")
-    if any(d < 0 for d in devices):
+    own = gpu_uuid(device.index) if usable else ""
+    gpus = group.all_gather_object(own, "NVLink transport check (GPUs)")
+    if not all(gpus):
         return False
-    return all(native_peer_atomics(a, b) for a in set(devices) for b in set(devices))
+    verdicts = group.gather_ints(int(native_peer_atomics_with_all(own, gpus)), "NVLink transport check (atomics)")
+    return all(verdicts)
 
 
 def triton_supported(version: Optional[str] = None) -> bool:

@@ -43,7 +43,8 @@ WAIT_LL_COMBINE = tl.constexpr(5)
 @triton.jit
 def _logfmt_roundtrip(values, H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     """[ROWS, BLOCK_H] bf16 rows (zeros past H) -> what a LogFMT-10 receiver reconstructs, in float32: per
-    128-channel group a 9-bit code on a log2 grid between max(log2(amin), log2(amax) - 32) and log2(amax),
+    128-channel group a 9-bit code on a log2 grid between max(log2(amin), log2(amax) - 32) and log2(amax)
+    (amin over the channels below H),
     rounded to the nearer level in linear space; a chunk of 1024 channels (512 unless H % 1024 == 0) is
     encoded only if all its groups have amax < 1 and amin < amax. Compiled without fused multiply-adds and
     with correctly rounded log2/exp2/division, as torch computes it."""
@@ -52,7 +53,8 @@ def _logfmt_roundtrip(values, H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.c
     v = tl.reshape(values.to(tl.float32), [ROWS, G, 128])
     mag = tl.abs(v)
     amax = tl.max(mag, axis=2)
-    amin = tl.min(mag, axis=2)
+    channel = tl.arange(0, G)[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
+    amin = tl.min(tl.where(channel < H, mag, float("inf")), axis=2)   # (a short last group's padding excluded)
     log_amax = libdevice.log2(amax)
     log_amin = tl.maximum(libdevice.log2(amin), log_amax - 32.0)
     step = (log_amax - log_amin) * (1.0 / 510.0)   # float32 reciprocal, as deep_ep.fp8 does

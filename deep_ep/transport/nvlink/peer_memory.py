@@ -16,6 +16,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from ...group import Group
+from ...utils import gpu_uuid, visible_gpus
 
 
 class PeerBuffers:
@@ -26,9 +27,13 @@ class PeerBuffers:
         # releases, and keeps the memory (reporting it at exit) while a counter is held. A single share opened
         # by every peer would be released too often with 3+ ranks and never with one.
         shares = [None if rank == group.rank else reductions.reduce_tensor(local) for rank in range(group.size)]
-        shared = group.all_gather_object((local.device.index, shares), "CUDA IPC handle exchange")
-        for device_index, _ in shared:
-            _enable_peer_access(local.device.index, device_index)
+        shared = group.all_gather_object((gpu_uuid(local.device.index), shares), "CUDA IPC handle exchange")
+        visible = visible_gpus()
+        for rank, (gpu, _) in enumerate(shared):
+            if gpu not in visible:   # (the transport choice rules this out; a clear error if it changed since)
+                raise RuntimeError(f"the NVLink transport: the GPU of rank {rank} ({gpu}) is not visible to rank "
+                                   f"{group.rank} (CUDA_VISIBLE_DEVICES), so its buffer cannot be reached")
+            _enable_peer_access(local.device.index, visible[gpu])
         self.local = local
         self.peers: List[torch.Tensor] = []
         for rank, (_, their_shares) in enumerate(shared):
