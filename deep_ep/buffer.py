@@ -177,7 +177,9 @@ class Buffer:
         if group is None and self._transport.name == "reference":
             raise ValueError("comm: with an mpi4py communicator and no torch.distributed group only the NVLink "
                              "transport can run (the reference transport exchanges tensors through "
-                             "torch.distributed); pass group= a torch.distributed process group")
+                             "torch.distributed), and it does not fit here (it needs one node of NVLink-connected "
+                             "GPUs, each rank's process seeing every rank's GPU); pass group= a torch.distributed "
+                             "process group")
         # the NVLink transport owns its buffers (they are mapped into the peers)
         self._nvl_buffer = getattr(self._transport, "local_buffer", None)
         if self._nvl_buffer is None:

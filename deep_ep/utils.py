@@ -111,9 +111,10 @@ def visible_gpus() -> Dict[str, int]:
 
 def native_peer_atomics_with_all(own: str, gpus: List[str]) -> bool:
     """Whether the GPU with UUID `own` and each GPU of `gpus` (UUIDs; `own` may be among them) are visible to
-    this process and have native peer atomics both ways."""
+    this process and have native peer atomics both ways. No when two visible GPUs report one UUID (distinct
+    GPUs would pass for one shared GPU)."""
     visible = visible_gpus()
-    if own not in visible or any(gpu not in visible for gpu in gpus):
+    if len(visible) != torch.cuda.device_count() or own not in visible or any(gpu not in visible for gpu in gpus):
         return False
     return all(native_peer_atomics(visible[own], visible[gpu]) and native_peer_atomics(visible[gpu], visible[own])
                for gpu in set(gpus))

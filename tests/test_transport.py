@@ -1,5 +1,5 @@
-"""The NVLink transport's eligibility check (`nvlink_fits`), seen from one rank, with the GPUs and the group
-stood in for: GPUs are compared by UUID, and every rank's verdict counts."""
+"""The NVLink transport's eligibility check (`nvlink_fits`) and peer-access set-up, seen from one rank, with the
+GPUs and the group stood in for: GPUs are compared by UUID, and every rank's verdict counts."""
 from typing import List, Optional, Set, Tuple
 
 import pytest
@@ -42,6 +42,7 @@ def fake_gpus(monkeypatch, visible: List[str], nvlinked: Set[Tuple[int, int]]) -
         asked.append((a, b))
         return a == b or (min(a, b), max(a, b)) in nvlinked
 
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible))
     monkeypatch.setattr(transport, "triton_supported", lambda: True)
     monkeypatch.setattr(transport, "gpu_uuid", lambda index: visible[index])
     monkeypatch.setattr(utils, "visible_gpus", lambda: {uuid: index for index, uuid in enumerate(visible)})
@@ -98,3 +99,37 @@ def test_ranks_sharing_one_gpu_fit(monkeypatch):
     group = OneRankOfGroup(rank=2, others_gpus=["A", "A", "A"])
     assert fits(group, device_index=0)
     assert all(a == b for a, b in asked)
+
+
+def test_two_visible_gpus_with_one_uuid_mean_no(monkeypatch):
+    # distinct GPUs must not pass for one shared GPU (whose peer check is skipped)
+    fake_gpus(monkeypatch, ["A", "A"], nvlinked=set())
+    group = OneRankOfGroup(rank=0, others_gpus=["A"])
+    assert not fits(group, device_index=0)
+    assert group.gathered_verdicts == [0, 1]
+
+
+def test_a_failing_peer_check_is_a_no_in_the_exchange(monkeypatch):
+    # the other ranks wait in the second exchange: this rank must take part in it, with a no
+    fake_gpus(monkeypatch, ["A", "B"], nvlinked={(0, 1)})
+
+    def broken(a: int, b: int) -> bool:
+        raise RuntimeError("driver says no")
+
+    monkeypatch.setattr(utils, "native_peer_atomics", broken)
+    group = OneRankOfGroup(rank=0, others_gpus=["B"])
+    with pytest.warns(UserWarning, match="driver says no"):
+        assert not fits(group, device_index=0)
+    assert group.gathered_verdicts == [0, 1]
+
+
+def test_peer_access_is_enabled_to_each_ranks_gpu_by_uuid(monkeypatch):
+    from deep_ep.transport.nvlink import peer_memory
+
+    enabled: List[Tuple[int, int]] = []
+    monkeypatch.setattr(peer_memory, "visible_gpus", lambda: {"B": 0, "A": 1})
+    monkeypatch.setattr(peer_memory, "_enable_peer_access", lambda own, other: enabled.append((own, other)))
+    peer_memory.reach_peers(own_device=1, gpus=["A", "B", "B"], rank=0)
+    assert enabled == [(1, 1), (1, 0), (1, 0)]
+    with pytest.raises(RuntimeError, match="GPU of rank 1 \\(C\\) is not visible to rank 0"):
+        peer_memory.reach_peers(own_device=1, gpus=["A", "C"], rank=0)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import Optional
 
 import torch
@@ -37,7 +38,8 @@ def select_transport(name: str, group: Group, topology: Topology, device: torch.
     fits = nvlink_fits(group, topology, device, num_nvl_bytes + num_low_latency_bytes)
     if name == "nvlink" and not fits:
         raise ValueError("transport='nvlink' needs every rank on one node, on CUDA devices with peer access "
-                         "and native atomics to each other (NVLink), Triton >= 3.6 installed, a PyTorch whose CUDA IPC "
+                         "and native atomics to each other (NVLink), each rank's process seeing every rank's GPU "
+                         "(CUDA_VISIBLE_DEVICES), Triton >= 3.6 installed, a PyTorch whose CUDA IPC "
                          "rebuild takes a storage_device argument, and num_nvl_bytes > 0 (or a low-latency buffer)")
     if fits:
         from .nvlink import NVLinkTransport
@@ -49,16 +51,32 @@ def nvlink_fits(group: Group, topology: Topology, device: torch.device, num_byte
     """Collective: every rank must agree, so the answer is the AND over the group. GPUs are compared by UUID
     (processes may see them under different `CUDA_VISIBLE_DEVICES`); a rank that cannot see a peer's GPU
     cannot enable peer access to it, so its verdict is no."""
-    usable = device.type == "cuda" and not topology.is_internode and num_bytes > 0 and triton_supported()
-    if usable:
-        from .nvlink.peer_memory import ipc_handles_open_on_own_device   # (imports Triton: checked first)
-        usable = ipc_handles_open_on_own_device()
-    own = gpu_uuid(device.index) if usable else ""
+    own = _own_gpu(topology, device, num_bytes)
     gpus = group.all_gather_object(own, "NVLink transport check (GPUs)")
-    if not all(gpus):
+    if not all(gpus):   # (every rank sees the same list, so all of them stop here or none)
         return False
-    verdicts = group.gather_ints(int(native_peer_atomics_with_all(own, gpus)), "NVLink transport check (atomics)")
-    return all(verdicts)
+    try:
+        reachable = native_peer_atomics_with_all(own, gpus)
+    except Exception as error:   # (a rank's failure must be a "no" in the exchange, not a missing rank)
+        warnings.warn(f"deep_ep: the NVLink transport's peer check failed on this rank ({error}); "
+                      f"the group takes the reference transport")
+        reachable = False
+    return all(group.gather_ints(int(reachable), "NVLink transport check (atomics)"))
+
+
+def _own_gpu(topology: Topology, device: torch.device, num_bytes: int) -> str:
+    """This rank's GPU UUID if it could run the NVLink transport, else ""."""
+    if device.type != "cuda" or topology.is_internode or num_bytes <= 0 or not triton_supported():
+        return ""
+    from .nvlink.peer_memory import ipc_handles_open_on_own_device   # (imports Triton: checked first)
+    if not ipc_handles_open_on_own_device():
+        return ""
+    try:
+        return gpu_uuid(device.index)
+    except Exception as error:
+        warnings.warn(f"deep_ep: cannot read the UUID of {device} ({error}); the group takes the reference "
+                      f"transport")
+        return ""
 
 
 def triton_supported(version: Optional[str] = None) -> bool:

@@ -28,12 +28,7 @@ class PeerBuffers:
         # by every peer would be released too often with 3+ ranks and never with one.
         shares = [None if rank == group.rank else reductions.reduce_tensor(local) for rank in range(group.size)]
         shared = group.all_gather_object((gpu_uuid(local.device.index), shares), "CUDA IPC handle exchange")
-        visible = visible_gpus()
-        for rank, (gpu, _) in enumerate(shared):
-            if gpu not in visible:   # (the transport choice rules this out; a clear error if it changed since)
-                raise RuntimeError(f"the NVLink transport: the GPU of rank {rank} ({gpu}) is not visible to rank "
-                                   f"{group.rank} (CUDA_VISIBLE_DEVICES), so its buffer cannot be reached")
-            _enable_peer_access(local.device.index, visible[gpu])
+        reach_peers(local.device.index, [gpu for gpu, _ in shared], group.rank)
         self.local = local
         self.peers: List[torch.Tensor] = []
         for rank, (_, their_shares) in enumerate(shared):
@@ -46,6 +41,17 @@ class PeerBuffers:
 
     def close(self) -> None:
         self.peers = [self.local]
+
+
+def reach_peers(own_device: int, gpus: List[str], rank: int) -> None:
+    """Let kernels on this rank's GPU (`own_device`) reach every rank's GPU (`gpus`: UUIDs by rank), each
+    found by UUID among the GPUs this process sees."""
+    visible = visible_gpus()
+    for peer, gpu in enumerate(gpus):
+        if gpu not in visible:   # (the transport choice rules this out; a clear error if it changed since)
+            raise RuntimeError(f"the NVLink transport: the GPU of rank {peer} ({gpu}) is not visible to rank "
+                               f"{rank} (CUDA_VISIBLE_DEVICES), so its buffer cannot be reached")
+        _enable_peer_access(own_device, visible[gpu])
 
 
 def _open_on(device_index: int, rebuild, args) -> torch.Tensor:
