@@ -667,7 +667,7 @@ class Buffer:
         check_tensor("mask_status", mask_status, device=mask_status.device, dtype=torch.int32, contiguous=False)
         if mask_status.numel() != self.group_size:
             raise ValueError(f"mask_status must have {self.group_size} elements, got {mask_status.numel()}")
-        mask_status.view(-1).copy_(self._mask)
+        mask_status.copy_(self._mask.view(mask_status.shape))   # (any layout of mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank."""

@@ -11,7 +11,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -214,14 +214,15 @@ class Group:
         staged = self._stage(tensor).contiguous()
         if ranks is None:
             flat = staged.new_empty(self.size * staged.numel())
-            work = _all_gather_single(flat, staged.view(-1), group=self._torch_group(), async_op=True)
+            work = _all_gather_single(flat, staged.view(-1), group=self.group, async_op=True)
             self.wait(work, what, flat)
             return flat.view(self.size, *staged.shape).to(tensor.device)
         gathered = staged.new_zeros((self.size, *staged.shape))
         gathered[self.rank] = staged
         peers = [r for r in ranks if r != self.rank]
-        for work in self._point_to_point({r: staged for r in peers}, {r: gathered[r] for r in peers}):
-            self.wait(work, what, gathered, peers)
+        start = time.monotonic()   # (one deadline for the whole exchange)
+        for work, awaited in self._point_to_point({r: staged for r in peers}, {r: gathered[r] for r in peers}):
+            self.wait(work, what, gathered, awaited, start)
         return gathered.to(tensor.device)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]],
@@ -238,18 +239,18 @@ class Group:
         staged_out = self._stage(rows_as_bytes(output), empty=ranks is None)
         staged_in = self._stage(rows_as_bytes(input.contiguous()))
         if ranks is None:
-            works = [dist.all_to_all_single(staged_out, staged_in,
-                                            list(output_splits) if output_splits is not None else None,
-                                            list(input_splits) if input_splits is not None else None,
-                                            group=self._torch_group(), async_op=True)]
-            return PendingAllToAll(self, works, what, output, staged_out, None)
+            work = dist.all_to_all_single(staged_out, staged_in,
+                                          list(output_splits) if output_splits is not None else None,
+                                          list(input_splits) if input_splits is not None else None,
+                                          group=self.group, async_op=True)
+            return PendingAllToAll(self, [(work, None)], what, output, staged_out)
         sends, receives = _blocks(staged_in, input_splits, self.size), _blocks(staged_out, output_splits, self.size)
         staged_out_own = receives[self.rank]
         staged_out_own.copy_(sends[self.rank])
         peers = [r for r in ranks if r != self.rank]
         works = self._point_to_point({r: sends[r] for r in peers if sends[r].numel()},
                                      {r: receives[r] for r in peers if receives[r].numel()})
-        return PendingAllToAll(self, works, what, output, staged_out, peers)
+        return PendingAllToAll(self, works, what, output, staged_out)
 
     def barrier(self, what: str, ranks: Optional[Sequence[int]] = None) -> None:
         """Wait for the ranks (`ranks`, default all; through an mpi4py communicator: all of them, unbounded). A
@@ -267,26 +268,34 @@ class Group:
         self.wait(work, what, tags)
         self._tag = int(tags.item())
 
-    def _point_to_point(self, sends: Dict[int, torch.Tensor], receives: Dict[int, torch.Tensor]) -> List[dist.Work]:
+    def _point_to_point(self, sends: Dict[int, torch.Tensor], receives: Dict[int, torch.Tensor]
+                        ) -> List[Tuple[dist.Work, List[int]]]:
         """Start sending sends[r] to and receiving receives[r] from group rank r (staged, contiguous tensors),
         as one batch (NCCL runs it as a group: separate blocking sends and receives could wait on each other).
         Every exchange gets the next tag (all ranks make the same calls), so its messages match only each other;
-        tags run in [2^30, 2^31), away from small tags a caller might use on the same group."""
+        tags run in [2^30, 2^31), away from small tags a caller might use on the same group. Returns each work
+        with the ranks it waits on (one per operation where the backend gives one work per operation)."""
         self._tag = (self._tag + 1) % (1 << 30)
-        tag, group = (1 << 30) + self._tag, self._torch_group()
+        tag, group = (1 << 30) + self._tag, self.group
         ops = [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, r), group, tag) for r, t in receives.items()]
         ops += [dist.P2POp(dist.isend, t, dist.get_global_rank(group, r), group, tag) for r, t in sends.items()]
-        return dist.batch_isend_irecv(ops) if ops else []
+        works = dist.batch_isend_irecv(ops) if ops else []
+        peers = [*receives, *sends]
+        if len(works) == len(ops):
+            return [(work, [peer]) for work, peer in zip(works, peers)]
+        return [(work, sorted(set(peers))) for work in works]
 
     # ---- waiting --------------------------------------------------------------------------------------
-    def wait(self, work: dist.Work, what: str, result: torch.Tensor, peers: Optional[Sequence[int]] = None) -> None:
-        """Complete `work` (with `peers`, default all other ranks) within the timeout, polling without blocking
+    def wait(self, work: dist.Work, what: str, result: torch.Tensor, peers: Optional[Sequence[int]] = None,
+             start: Optional[float] = None) -> None:
+        """Complete `work` (with `peers`, default all other ranks) within the timeout counted from `start`
+        (time.monotonic, default now: the works of one exchange share one deadline), polling without blocking
         (a blocking wait on a collective that a peer never joins would not return)."""
-        start = time.monotonic()
+        start = time.monotonic() if start is None else start
         deadline = start + self.timeout_s
         try:
             if not result.is_cuda:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+                work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
                 return
             while not work.is_completed():
                 if time.monotonic() > deadline:
@@ -334,9 +343,6 @@ class Group:
         if self.group is None:
             raise NotImplementedError("tensor collectives need a torch.distributed group; an mpi4py 'comm' "
                                       "only serves construction with a fast transport")
-
-    def _torch_group(self) -> dist.ProcessGroup:
-        return self.group
 
     def _collective_device(self) -> torch.device:
         if self.cpu_native:
@@ -403,16 +409,19 @@ def _blocks(rows: torch.Tensor, splits: Optional[Sequence[int]], size: int) -> L
 class PendingAllToAll:
     """An all-to-all in flight; `wait()` completes it within the group's timeout."""
 
-    def __init__(self, group: Group, works: List[dist.Work], what: str, output: torch.Tensor,
-                 staged: torch.Tensor, peers: Optional[Sequence[int]]) -> None:
+    def __init__(self, group: Group, works: List[Tuple[dist.Work, Optional[List[int]]]], what: str,
+                 output: torch.Tensor, staged: torch.Tensor) -> None:
         self.group, self.works, self.what, self.output, self.staged = group, works, what, output, staged
-        self.peers = peers   # (None: every other rank)
         self.done = False
 
     def wait(self) -> torch.Tensor:
+        """The output, once every part of the exchange has completed (one deadline for all of them; each work
+        with the ranks it waits on, None: every other rank)."""
         if not self.done:
-            for work in self.works:
-                self.group.wait(work, self.what, self.staged, self.peers)
+            self.group._check_not_broken()   # (after a failed wait: at once, not after another timeout)
+            start = time.monotonic()
+            for work, peers in self.works:
+                self.group.wait(work, self.what, self.staged, peers, start)
             target = rows_as_bytes(self.output)
             if target.data_ptr() != self.staged.data_ptr():
                 target.copy_(self.staged)

@@ -979,6 +979,9 @@ def run_api_checks(ctx) -> Dict[str, List[str]]:
         shrink.low_latency_update_mask_buffer(other, True)
         shrink.low_latency_query_mask_buffer(status)
         assert status.tolist() == [1 if r == other else 0 for r in range(2)]
+        strided = torch.full((2, 2), 7, dtype=torch.int32, device=ctx.device)[:, 1]   # (any layout)
+        shrink.low_latency_query_mask_buffer(strided)
+        assert strided.tolist() == [1 if r == other else 0 for r in range(2)]
         shrink.low_latency_update_mask_buffer(other)            # mask=False by default
         shrink.low_latency_query_mask_buffer(status)
         assert status.tolist() == [0, 0]
