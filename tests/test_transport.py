@@ -44,8 +44,8 @@ def fake_gpus(monkeypatch, visible: List[str], nvlinked: Set[Tuple[int, int]]) -
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible))
     monkeypatch.setattr(transport, "triton_supported", lambda: True)
-    monkeypatch.setattr(transport, "gpu_uuid", lambda index: visible[index])
-    monkeypatch.setattr(utils, "visible_gpus", lambda: {uuid: index for index, uuid in enumerate(visible)})
+    for module in (transport, utils):   # (the transport imports gpu_uuid by name)
+        monkeypatch.setattr(module, "gpu_uuid", lambda index: visible[index])
     monkeypatch.setattr(utils, "native_peer_atomics", atomics)
     return asked
 
