@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch.multiprocessing as mp
 from deep_ep.transport import OLDEST_TRITON
 
 TEST_TIMEOUT_S = float(os.environ.get("DEEP_EP_TEST_TIMEOUT_S", "240"))
+STOP_GRACE_S = 10.0   # how long ranks asked to stop may take to leave before they are killed
 SUPPORTED_TRITON = ".".join(map(str, OLDEST_TRITON))   # the oldest Triton the NVLink kernels run with
 
 
@@ -246,10 +248,20 @@ class RankPool:
 
     def close(self, graceful: bool = True) -> None:
         if graceful:
-            for inbox in self.inboxes:
-                inbox.put(None)
-            for p in self.procs:
-                p.join(timeout=10)
+            self.ask_to_stop()
+            self.wait_stopped(time.monotonic() + STOP_GRACE_S)
+        self.kill()
+
+    def ask_to_stop(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+
+    def wait_stopped(self, deadline: float) -> None:
+        """Join the ranks until `deadline` (time.monotonic()), one deadline for them all."""
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def kill(self) -> None:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
@@ -266,6 +278,14 @@ def get_pool(world_size: int) -> RankPool:
 
 
 def close_pools() -> None:
-    for pool in _pools.values():
-        pool.close()
+    """Stop every pool's ranks at once, so that their teardowns overlap; kill what has not stopped within
+    STOP_GRACE_S."""
+    pools = list(_pools.values())
     _pools.clear()
+    for pool in pools:
+        pool.ask_to_stop()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for pool in pools:
+        pool.wait_stopped(deadline)
+    for pool in pools:
+        pool.kill()
