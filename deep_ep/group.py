@@ -71,9 +71,11 @@ class Group:
             backend = str(dist.get_backend(group)).lower()
             self.cuda_native = "nccl" in backend
             self.cpu_native = "gloo" in backend or "mpi" in backend or not self.cuda_native
+            # gloo's works honour wait(timeout); others' may not (MPI's ignores it): those are polled instead
+            self.timed_cpu_waits = "gloo" in backend
         else:
             self.rank, self.size = comm.Get_rank(), comm.Get_size()
-            self.cuda_native, self.cpu_native = False, True
+            self.cuda_native, self.cpu_native, self.timed_cpu_waits = False, True, False
         self._broken: Optional[str] = None
         self._tag = 0   # of the last point-to-point exchange
         self.roll_call: Optional[RollCall] = None   # shrink mode (open_roll_call)
@@ -214,15 +216,15 @@ class Group:
         staged = self._stage(tensor).contiguous()
         if ranks is None:
             flat = staged.new_empty(self.size * staged.numel())
-            work = _all_gather_single(flat, staged.view(-1), group=self.group, async_op=True)
-            self.wait(work, what, flat)
+            with self._starting(what):
+                work = _all_gather_single(flat, staged.view(-1), group=self.group, async_op=True)
+            self.wait([(work, None)], what, flat)
             return flat.view(self.size, *staged.shape).to(tensor.device)
         gathered = staged.new_zeros((self.size, *staged.shape))
         gathered[self.rank] = staged
         peers = [r for r in ranks if r != self.rank]
-        start = time.monotonic()   # (one deadline for the whole exchange)
-        for work, awaited in self._point_to_point({r: staged for r in peers}, {r: gathered[r] for r in peers}):
-            self.wait(work, what, gathered, awaited, start)
+        works = self._point_to_point({r: staged for r in peers}, {r: gathered[r] for r in peers}, what)
+        self.wait(works, what, gathered)
         return gathered.to(tensor.device)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]],
@@ -239,17 +241,18 @@ class Group:
         staged_out = self._stage(rows_as_bytes(output), empty=ranks is None)
         staged_in = self._stage(rows_as_bytes(input.contiguous()))
         if ranks is None:
-            work = dist.all_to_all_single(staged_out, staged_in,
-                                          list(output_splits) if output_splits is not None else None,
-                                          list(input_splits) if input_splits is not None else None,
-                                          group=self.group, async_op=True)
+            with self._starting(what):
+                work = dist.all_to_all_single(staged_out, staged_in,
+                                              list(output_splits) if output_splits is not None else None,
+                                              list(input_splits) if input_splits is not None else None,
+                                              group=self.group, async_op=True)
             return PendingAllToAll(self, [(work, None)], what, output, staged_out)
         sends, receives = _blocks(staged_in, input_splits, self.size), _blocks(staged_out, output_splits, self.size)
         staged_out_own = receives[self.rank]
         staged_out_own.copy_(sends[self.rank])
         peers = [r for r in ranks if r != self.rank]
         works = self._point_to_point({r: sends[r] for r in peers if sends[r].numel()},
-                                     {r: receives[r] for r in peers if receives[r].numel()})
+                                     {r: receives[r] for r in peers if receives[r].numel()}, what)
         return PendingAllToAll(self, works, what, output, staged_out)
 
     def barrier(self, what: str, ranks: Optional[Sequence[int]] = None) -> None:
@@ -264,52 +267,90 @@ class Group:
             return
         # (a rank that skipped exchanges while others masked it, e.g. their clean, catches up here)
         tags = torch.tensor([self._tag], dtype=torch.int64, device=self._collective_device())
-        work = dist.all_reduce(tags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self.wait(work, what, tags)
+        with self._starting(what):
+            work = dist.all_reduce(tags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.wait([(work, None)], what, tags)
         self._tag = int(tags.item())
 
-    def _point_to_point(self, sends: Dict[int, torch.Tensor], receives: Dict[int, torch.Tensor]
+    def _point_to_point(self, sends: Dict[int, torch.Tensor], receives: Dict[int, torch.Tensor], what: str
                         ) -> List[Tuple[dist.Work, List[int]]]:
         """Start sending sends[r] to and receiving receives[r] from group rank r (staged, contiguous tensors),
         as one batch (NCCL runs it as a group: separate blocking sends and receives could wait on each other).
         Every exchange gets the next tag (all ranks make the same calls), so its messages match only each other;
         tags run in [2^30, 2^31), away from small tags a caller might use on the same group. Returns each work
-        with the ranks it waits on (one per operation where the backend gives one work per operation)."""
+        with the ranks it waits on: one per operation where the backend gives one work per operation (gloo);
+        NCCL gives one work for the batch, which waits on all its peers."""
         self._tag = (self._tag + 1) % (1 << 30)
         tag, group = (1 << 30) + self._tag, self.group
         ops = [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, r), group, tag) for r, t in receives.items()]
         ops += [dist.P2POp(dist.isend, t, dist.get_global_rank(group, r), group, tag) for r, t in sends.items()]
-        works = dist.batch_isend_irecv(ops) if ops else []
+        with self._starting(what):
+            works = dist.batch_isend_irecv(ops) if ops else []
         peers = [*receives, *sends]
         if len(works) == len(ops):
             return [(work, [peer]) for work, peer in zip(works, peers)]
         return [(work, sorted(set(peers))) for work in works]
 
     # ---- waiting --------------------------------------------------------------------------------------
-    def wait(self, work: dist.Work, what: str, result: torch.Tensor, peers: Optional[Sequence[int]] = None,
-             start: Optional[float] = None) -> None:
-        """Complete `work` (with `peers`, default all other ranks) within the timeout counted from `start`
-        (time.monotonic, default now: the works of one exchange share one deadline), polling without blocking
-        (a blocking wait on a collective that a peer never joins would not return)."""
-        start = time.monotonic() if start is None else start
-        deadline = start + self.timeout_s
+    @contextlib.contextmanager
+    def _starting(self, what: str) -> Iterator[None]:
+        """Around the start of a collective: a backend that refuses to start it (e.g. gloo after a peer's
+        timeout closed its connections) leaves the ranks out of step, as a failed wait does."""
         try:
-            if not result.is_cuda:
-                work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-                return
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    self._fail(what, "the collective did not finish on the GPU", peers, start)
-                time.sleep(0)
-            work.wait()  # orders the current stream after the collective
-        except CommTimeoutError:
-            raise
-        except RuntimeError as error:   # what the backend raised (gloo: "Timed out ...", NCCL's watchdog: "... timeout")
-            if any(word in str(error).lower() for word in ("timed out", "timeout")):
-                self._fail(what, str(error), peers, start)
-            self._broken = what   # the ranks may be out of step
-            raise RuntimeError(f"rank {self.rank}: {what} failed: {str(error).strip()}; this Buffer cannot be "
-                               "used any more") from error
+            yield
+        except RuntimeError as error:
+            self._broken = what
+            raise RuntimeError(f"rank {self.rank}: {what} failed to start: {str(error).strip()}; this Buffer "
+                               "cannot be used any more") from error
+
+    def wait(self, works: Sequence[Tuple[dist.Work, Optional[Sequence[int]]]], what: str,
+             result: torch.Tensor) -> None:
+        """Complete `works` (each with the ranks it waits on; None: every other rank) within one timeout for
+        them all, without blocking where the backend's own wait would not return (a collective that a peer
+        never joins). A timeout names the ranks of every work not finished by then."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        for index, (work, _) in enumerate(works):
+            try:
+                self._complete(work, result.is_cuda, deadline)
+            except _Expired:
+                self._fail(what, "the collective did not finish", self._unfinished(works, index, result), start)
+            except RuntimeError as error:   # the backend's (gloo: "Timed out ...", NCCL's watchdog: "... timeout")
+                if any(word in str(error).lower() for word in ("timed out", "timeout")):
+                    self._fail(what, str(error), self._unfinished(works, index, result), start)
+                self._broken = what   # the ranks may be out of step
+                raise RuntimeError(f"rank {self.rank}: {what} failed: {str(error).strip()}; this Buffer cannot be "
+                                   "used any more") from error
+
+    def _complete(self, work: dist.Work, on_gpu: bool, deadline: float) -> None:
+        """Wait for `work` until `deadline` (time.monotonic); _Expired if it has not finished by then."""
+        if not on_gpu and self.timed_cpu_waits:
+            work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            return
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise _Expired()
+            time.sleep(0)
+        work.wait()  # (on the GPU: orders the current stream after the collective)
+
+    def _unfinished(self, works: Sequence[Tuple[dist.Work, Optional[Sequence[int]]]], expired: int,
+                    result: torch.Tensor) -> Optional[List[int]]:
+        """The ranks awaited by works[expired] (the one that timed out) and by every later work that has not
+        finished either (None: every other rank). A later work is asked through a wait with no time left: gloo's
+        point-to-point works report completion only to a wait."""
+        peers = set()
+        for index in range(expired, len(works)):
+            work, awaited = works[index]
+            if index > expired:
+                try:
+                    self._complete(work, result.is_cuda, time.monotonic())
+                    continue
+                except (_Expired, RuntimeError):
+                    pass
+            if awaited is None:
+                return None
+            peers.update(awaited)
+        return sorted(peers)
 
     def mark_broken(self, what: str) -> None:
         """A wait on the other ranks (`what`) failed outside this group's collectives (e.g. on the GPU): the
@@ -335,8 +376,9 @@ class Group:
 
     def _check_not_broken(self) -> None:
         if self._broken is not None:
-            raise RuntimeError(f"rank {self.rank}: an earlier collective ({self._broken}) failed; "
-                               "destroy this Buffer and create a new one")
+            raise RuntimeError(f"rank {self.rank}: an earlier collective ({self._broken}) failed; destroy this "
+                               "Buffer and create a new one (after a timeout, over a new process group: the "
+                               "backend may have closed this one's connections)")
 
     def _check_usable(self) -> None:
         self._check_not_broken()
@@ -369,6 +411,10 @@ def rows_as_bytes(rows: torch.Tensor) -> torch.Tensor:
 
 # `all_gather_into_tensor` was renamed `all_gather_single` in newer torch releases.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+class _Expired(Exception):
+    """A polled work did not finish by its deadline."""
 
 
 def _roll_call_peers(mask: List[int], rank: int) -> List[int]:
@@ -419,9 +465,7 @@ class PendingAllToAll:
         with the ranks it waits on, None: every other rank)."""
         if not self.done:
             self.group._check_not_broken()   # (after a failed wait: at once, not after another timeout)
-            start = time.monotonic()
-            for work, peers in self.works:
-                self.group.wait(work, self.what, self.staged, peers, start)
+            self.group.wait(self.works, self.what, self.staged)
             target = rows_as_bytes(self.output)
             if target.data_ptr() != self.staged.data_ptr():
                 target.copy_(self.staged)

@@ -141,6 +141,9 @@ class _FailedWork:
     def __init__(self, message: str) -> None:
         self.message = message
 
+    def is_completed(self) -> bool:
+        return True
+
     def wait(self, timeout=None):
         raise RuntimeError(self.message)
 
@@ -159,7 +162,7 @@ def test_a_failed_collective_is_a_timeout_only_when_it_timed_out(message, timed_
     from deep_ep.group import Group
     group = Group(None, _OneRank(), timeout_s=20)
     with pytest.raises(RuntimeError) as caught:
-        group.wait(_FailedWork(message), "dispatch (data exchange)", torch.zeros(1))
+        group.wait([(_FailedWork(message), None)], "dispatch (data exchange)", torch.zeros(1))
     assert isinstance(caught.value, deep_ep.CommTimeoutError) == timed_out, caught.value
     assert "rank 0: dispatch (data exchange)" in str(caught.value) and message in str(caught.value)
     assert group.broken   # the ranks may be out of step either way

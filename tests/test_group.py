@@ -1,9 +1,13 @@
-"""deep_ep.group's point-to-point exchanges (low-latency steps under a shrink mask): a rank that never comes is
-named alone, within one timeout for the whole exchange, and a failed exchange is not waited on again."""
+"""deep_ep.group's point-to-point exchanges (low-latency steps under a shrink mask): the ranks that never come
+are named (alone: not the ranks that came), within one timeout for the whole exchange; a failed exchange is not
+waited on again; a backend that refuses to start one leaves the group refused too; works of backends whose wait
+ignores its timeout are polled."""
 import time
 from typing import Any, Dict
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from deep_ep.group import CommTimeoutError, Group
 
@@ -11,9 +15,9 @@ TIMEOUT_S = 2.0
 ABSENT = 3
 
 
-def run_with_an_absent_rank(ctx) -> Dict[str, Any]:
-    """Ranks 0..2 exchange with every rank of the group; rank 3 never calls."""
-    if ctx.rank == ABSENT:
+def run_with_an_absent_rank(ctx, absent=(ABSENT,)) -> Dict[str, Any]:
+    """The ranks not in `absent` exchange with every rank of the group; those in `absent` never call."""
+    if ctx.rank in absent:
         return {}
     group = Group(ctx.group, None, TIMEOUT_S, ctx.device)
     everyone = list(range(ctx.world_size))
@@ -62,3 +66,64 @@ def test_a_failed_all_to_all_is_not_waited_on_again(pool):
         assert f"waiting for rank {ABSENT}:" in out.get("first", ""), f"rank {rank}: {out}"
         assert "earlier collective" in out.get("again", ""), f"rank {rank}: {out}"
         assert out["again_s"] < 0.5 * TIMEOUT_S, f"rank {rank}: the second wait took {out['again_s']:.1f} s"
+
+
+def test_every_absent_rank_is_named(pool):
+    absent = (1, 3)
+    results = pool(4).run_then_restart(run_with_an_absent_rank, absent, timeout=60)
+    for rank in (0, 2):
+        message = results[rank].get("gather_error")
+        assert message is not None, f"rank {rank}: the gather did not fail"
+        assert "waiting for ranks 1, 3:" in message, f"rank {rank}: {message}"
+
+
+class _StandInGroup:
+    """What Group asks of a process group, for tests without one: rank 0 of 2."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+
+def _stand_in_group(monkeypatch, backend: str) -> Group:
+    monkeypatch.setattr(dist, "get_backend", lambda group: backend)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(dist, "P2POp", lambda *args: args)
+    return Group(_StandInGroup(), None, 0.2)
+
+
+def test_a_backend_that_refuses_to_start_an_exchange_leaves_the_group_refused(monkeypatch):
+    group = _stand_in_group(monkeypatch, "gloo")
+
+    def refuse(ops):
+        raise RuntimeError("[pair.cc] Connection closed by peer")
+    monkeypatch.setattr(dist, "batch_isend_irecv", refuse)
+    rows = torch.arange(4, dtype=torch.float32).view(-1, 1)
+    with pytest.raises(RuntimeError, match=r"rank 0: the step failed to start: \[pair.cc\] Connection closed"):
+        group.all_to_all(torch.empty_like(rows), rows, [2, 2], [2, 2], "the step", [0, 1])
+    assert group.broken
+    with pytest.raises(RuntimeError, match=r"an earlier collective \(the step\) failed"):
+        group.all_gather(torch.zeros(1), "the next step", [0, 1])
+
+
+class _NeverFinishing:
+    """A work whose blocking wait would not return (MPI's ignores its timeout)."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout=None):
+        raise AssertionError("a blocking wait on a work that never finishes")
+
+
+def test_works_of_a_backend_without_timed_waits_are_polled(monkeypatch):
+    group = _stand_in_group(monkeypatch, "mpi")
+    assert not group.timed_cpu_waits
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [_NeverFinishing() for _ in ops])
+    start = time.monotonic()
+    with pytest.raises(CommTimeoutError, match="waiting for rank 1:"):
+        group.all_gather(torch.zeros(1), "the step", [0, 1])
+    assert time.monotonic() - start < 5.0
+    assert _stand_in_group(monkeypatch, "gloo").timed_cpu_waits
