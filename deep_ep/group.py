@@ -299,9 +299,7 @@ class Group:
         try:
             yield
         except RuntimeError as error:
-            self._broken = what
-            raise RuntimeError(f"rank {self.rank}: {what} failed to start: {str(error).strip()}; this Buffer "
-                               "cannot be used any more") from error
+            raise self._out_of_step_error(what, "failed to start", error) from error
 
     def wait(self, works: Sequence[Tuple[dist.Work, Optional[Sequence[int]]]], what: str,
              result: torch.Tensor) -> None:
@@ -314,13 +312,18 @@ class Group:
             try:
                 self._complete(work, result.is_cuda, deadline)
             except _Expired:
-                self._fail(what, "the collective did not finish", self._unfinished(works, index, result), start)
+                self._fail(what, "the collective did not finish", self._unfinished(works, index, result.is_cuda),
+                           start)
             except RuntimeError as error:   # the backend's (gloo: "Timed out ...", NCCL's watchdog: "... timeout")
                 if any(word in str(error).lower() for word in ("timed out", "timeout")):
-                    self._fail(what, str(error), self._unfinished(works, index, result), start)
-                self._broken = what   # the ranks may be out of step
-                raise RuntimeError(f"rank {self.rank}: {what} failed: {str(error).strip()}; this Buffer cannot be "
-                                   "used any more") from error
+                    self._fail(what, str(error), self._unfinished(works, index, result.is_cuda), start)
+                raise self._out_of_step_error(what, "failed", error) from error
+
+    def _out_of_step_error(self, what: str, how: str, error: RuntimeError) -> RuntimeError:
+        """Marks the group failed by `what` (the ranks may be out of step); the error to raise."""
+        self._broken = what
+        return RuntimeError(f"rank {self.rank}: {what} {how}: {str(error).strip()}; this Buffer cannot be used "
+                            "any more")
 
     def _complete(self, work: dist.Work, on_gpu: bool, deadline: float) -> None:
         """Wait for `work` until `deadline` (time.monotonic); _Expired if it has not finished by then."""
@@ -334,7 +337,7 @@ class Group:
         work.wait()  # (on the GPU: orders the current stream after the collective)
 
     def _unfinished(self, works: Sequence[Tuple[dist.Work, Optional[Sequence[int]]]], expired: int,
-                    result: torch.Tensor) -> Optional[List[int]]:
+                    on_gpu: bool) -> Optional[List[int]]:
         """The ranks awaited by works[expired] (the one that timed out) and by every later work that has not
         finished either (None: every other rank). A later work is asked through a wait with no time left: gloo's
         point-to-point works report completion only to a wait."""
@@ -343,7 +346,7 @@ class Group:
             work, awaited = works[index]
             if index > expired:
                 try:
-                    self._complete(work, result.is_cuda, time.monotonic())
+                    self._complete(work, on_gpu, time.monotonic())
                     continue
                 except (_Expired, RuntimeError):
                     pass
