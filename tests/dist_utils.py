@@ -247,25 +247,7 @@ class RankPool:
         self._start()
 
     def close(self, graceful: bool = True) -> None:
-        if graceful:
-            self.ask_to_stop()
-            self.wait_stopped(time.monotonic() + STOP_GRACE_S)
-        self.kill()
-
-    def ask_to_stop(self) -> None:
-        for inbox in self.inboxes:
-            inbox.put(None)
-
-    def wait_stopped(self, deadline: float) -> None:
-        """Join the ranks until `deadline` (time.monotonic()), one deadline for them all."""
-        for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _stop([self], graceful)
 
 
 _pools: dict = {}
@@ -278,14 +260,23 @@ def get_pool(world_size: int) -> RankPool:
 
 
 def close_pools() -> None:
-    """Stop every pool's ranks at once, so that their teardowns overlap; kill what has not stopped within
-    STOP_GRACE_S."""
     pools = list(_pools.values())
     _pools.clear()
-    for pool in pools:
-        pool.ask_to_stop()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for pool in pools:
-        pool.wait_stopped(deadline)
-    for pool in pools:
-        pool.kill()
+    _stop(pools)
+
+
+def _stop(pools: List[RankPool], graceful: bool = True) -> None:
+    """Stop the pools' ranks: gracefully, all asked at once (their teardowns overlap) and given STOP_GRACE_S
+    together; whatever is still running then is killed."""
+    procs = [p for pool in pools for p in pool.procs]
+    if graceful:
+        for pool in pools:
+            for inbox in pool.inboxes:
+                inbox.put(None)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
