@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .checks import check_expert_ids, check_int, check_tensor
 from .config import (Config, LowLatencyLayout, default_combine_config, default_dispatch_config,
-                     low_latency_size_hint, nvl_bytes_needed, topk_idx_t)
+                     low_latency_area_bytes, low_latency_size_hint, nvl_bytes_needed, topk_idx_t)
 from .group import Group, Topology, host_id, unmasked_ranks
 from .low_latency import LowLatencySlots, ReceiveHook
 from .streams import CommStream, capturing, stream_of, without_autograd
@@ -770,7 +770,7 @@ class Buffer:
 
     def _check_low_latency_capacity(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
         self._check_num_experts(num_experts)
-        needed = LowLatencyLayout(num_max_tokens, hidden, num_experts).total_bytes   # (what DeepEP asserts)
+        needed = low_latency_area_bytes(num_max_tokens, hidden, num_experts)   # (what DeepEP asserts)
         if self.num_rdma_bytes < needed:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for low-latency calls with N="
                              f"{num_max_tokens}, hidden={hidden}, num_experts={num_experts}: need >= {needed} "

@@ -17,19 +17,18 @@ def check_tensor(name: str, value, *, device: torch.device, dtype: Optional[Dtyp
     """Raise TypeError/ValueError unless `value` is a tensor as described (None in `shape` = any size)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if dtype is not None:
-        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
-        if value.dtype not in allowed:
-            expected = " or ".join(str(d) for d in allowed)
-            raise TypeError(f"{name} must have dtype {expected}, got {value.dtype}")
-    if not same_device(value.device, device):
+    # (each test starts with the comparison that holds for valid arguments: these checks run on every call)
+    if dtype is not None and value.dtype != dtype and not (isinstance(dtype, tuple) and value.dtype in dtype):
+        expected = " or ".join(str(d) for d in dtype) if isinstance(dtype, tuple) else str(dtype)
+        raise TypeError(f"{name} must have dtype {expected}, got {value.dtype}")
+    if value.device != device and not same_device(value.device, device):
         raise ValueError(f"{name} must be on {device} (the Buffer's device), got {value.device}")
     if dim is not None and value.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(value.shape)}")
-    if shape is not None:
-        if value.dim() != len(shape) or any(want is not None and got != want for got, want in zip(value.shape, shape)):
-            expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise ValueError(f"{name} must have shape {expected}, got {list(value.shape)}")
+    if shape is not None and value.shape != shape and (
+            value.dim() != len(shape) or any(want is not None and got != want for got, want in zip(value.shape, shape))):
+        expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {expected}, got {list(value.shape)}")
     if contiguous and not value.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     return value

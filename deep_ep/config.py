@@ -1,6 +1,8 @@
 """Performance configuration of the normal (high-throughput) kernels, with DeepEP's buffer size hints."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Integer dtype of every `topk_idx` argument (DeepEP's default build).
@@ -173,6 +175,12 @@ def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, nu
     _check_positive("num_experts", num_experts)
     layout = LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
     return (layout.total_bytes + 128) // 128 * 128
+
+
+@functools.lru_cache(maxsize=64)
+def low_latency_area_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> int:
+    """Bytes a low-latency call with these sizes needs (DeepEP's layout total; looked up on every call)."""
+    return LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_experts).total_bytes
 
 
 class LowLatencyLayout:
