@@ -98,9 +98,9 @@ class Buffer:
                 (the 1 GiB that vLLM passes is enough). A smaller buffer streams the rows in rounds, as does
                 every dispatch with num_worst_tokens (and its combine); a call refuses a buffer below
                 DeepEP's per-call ring rule for its own row size and channels (a buffer of the size hint
-                `Config.get_nvl_buffer_size_hint` always meets it).
+                `Config.get_nvl_buffer_size_hint` always meets it). A multiple of 128.
             num_rdma_bytes: bytes of the buffer used by the low-latency mode (DeepEP also uses it for
-                internode normal mode; the reference transport here needs none there).
+                internode normal mode; the reference transport here needs none there). A multiple of 128.
             low_latency_mode: enable `low_latency_dispatch` / `low_latency_combine`.
             num_qps_per_rank: RDMA queue pairs per peer in DeepEP; accepted as a hint (must be > 0 in
                 low-latency mode, as DeepEP asserts there).
@@ -296,8 +296,10 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        """A `dtype` view of this rank's raw buffer starting `offset` bytes in (first `size.numel()` elements
-        reshaped to `size` when given)."""
+        """A `dtype` view of this rank's raw buffer starting `offset` bytes in (a multiple of `dtype`'s size):
+        the first `size.numel()` elements reshaped to `size` when given, else every whole element to the end.
+        `use_rdma_buffer=True` views the low-latency (`num_rdma_bytes`) buffer instead of the normal-mode
+        (`num_nvl_bytes`) one."""
         self._live("get_local_buffer_tensor")
         raw = self._rdma_buffer if use_rdma_buffer else self._nvl_buffer
         check_int("offset", offset, minimum=0, maximum=raw.numel())
@@ -319,6 +321,11 @@ class Buffer:
                             allocate_on_comm_stream: bool = False
                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
         """Count tokens per rank, per node and per expert from `topk_idx` `[T, K]` (`-1` = no selection).
+
+        Args:
+            topk_idx: `[T, K]` `topk_idx_t`, entries in `[0, num_experts)` or -1; `K <= 32`.
+            num_experts: total experts, a multiple of the group size (at most 1024 per rank).
+            previous_event, async_finish, allocate_on_comm_stream: as in `dispatch`.
 
         Returns `(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None within one
         node, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)`."""
@@ -421,7 +428,8 @@ class Buffer:
                            topk_idx=None, topk_weights=None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                            config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
                            allocate_on_comm_stream: bool = False):
-        """`dispatch` for a group spanning several nodes (kept for DeepEP compatibility; use `dispatch`)."""
+        """`dispatch` for a group spanning several nodes (kept for DeepEP compatibility; use `dispatch`).
+        `config` is required here, as in DeepEP."""
         assert config is not None, "internode_dispatch: config must be given"
         return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                              num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
@@ -480,7 +488,8 @@ class Buffer:
     def internode_combine(self, x: torch.Tensor, handle: tuple, topk_weights=None, bias=None,
                           config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
                           allocate_on_comm_stream: bool = False):
-        """`combine` for a group spanning several nodes (kept for DeepEP compatibility; use `combine`)."""
+        """`combine` for a group spanning several nodes (kept for DeepEP compatibility; use `combine`).
+        `config` is required here, as in DeepEP."""
         assert config is not None, "internode_combine: config must be given"
         return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                             allocate_on_comm_stream)
@@ -527,6 +536,7 @@ class Buffer:
                 use_ue8m0: return the scales as packed exponents (needs round_scale).
             async_finish: return an event to wait on instead of making the current stream wait.
             return_recv_hook: only send now; the returned hook completes the receive (no resident kernel).
+                Not together with async_finish.
 
         Returns:
             `(recv_x, recv_count, handle, event, hook)`: recv_x is `[E_loc, R*N, H]` bf16 or a tuple
@@ -591,8 +601,9 @@ class Buffer:
             topk_idx, topk_weights: `[T, K]` routing of the matching dispatch (entries may become -1).
             handle: from `low_latency_dispatch`.
             use_logfmt: compress the returned rows with LogFMT-10 (lossy).
-            zero_copy: the outputs were already written into `get_next_low_latency_combine_buffer(handle)`.
-            async_finish, return_recv_hook: as in `low_latency_dispatch`.
+            zero_copy: the outputs were already written into `get_next_low_latency_combine_buffer(handle)`
+                (not together with use_logfmt).
+            async_finish, return_recv_hook: as in `low_latency_dispatch` (not both).
             out: optional `[T, H]` bfloat16 tensor to write the result into (returned).
             combine_wait_recv_cost_stats: optional int64 `[R]` wait statistics.
 
@@ -656,7 +667,8 @@ class Buffer:
         return self._combine_send_view(self._slots.next_half, num_experts // self.group_size, num_max_tokens, hidden)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mark (`mask=True`) or unmark a rank as failed; low-latency calls skip masked ranks."""
+        """Mark (`mask=True`) or unmark a rank as failed; low-latency calls skip masked ranks. Shrink mode only
+        (`enable_shrink=True`), as the two methods below."""
         self._require_shrink("low_latency_update_mask_buffer")
         check_int("rank_to_mask", rank_to_mask, minimum=0, maximum=self.group_size - 1)
         self._mask[rank_to_mask] = 1 if mask else 0
