@@ -190,9 +190,14 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
             break
         fn, args, kwargs_ = job
         try:
-            outbox.put((rank, True, fn(ctx, *args, **kwargs_)))
+            answer = (rank, True, fn(ctx, *args, **kwargs_))
         except BaseException:  # noqa: BLE001 - every failure goes back to the test
-            outbox.put((rank, False, traceback.format_exc()))
+            answer = (rank, False, traceback.format_exc())
+        if device.type == "cuda":
+            # Pools of other sizes stay alive beside this one: an idle rank must not keep the GPU memory its
+            # last test cached (on an 80 GB GPU, 14 idle ranks' caches left too little for 8 ranks' buffers).
+            torch.cuda.empty_cache()
+        outbox.put(answer)
     dist.destroy_process_group()
 
 
