@@ -195,7 +195,7 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
             answer = (rank, False, traceback.format_exc())
         if device.type == "cuda":
             # Pools of other sizes stay alive beside this one: an idle rank must not keep the GPU memory its
-            # last test cached (on an 80 GB GPU, 14 idle ranks' caches left too little for 8 ranks' buffers).
+            # last test cached (on an 80 GB GPU, idle 2- and 4-rank pools' caches left too little for 8 ranks').
             torch.cuda.empty_cache()
         outbox.put(answer)
     dist.destroy_process_group()
