@@ -19,8 +19,9 @@ import triton
 import triton.language as tl
 
 from .intrinsics import clock_ns, to_bf16
-from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, begin_operation, channel_tokens, end_operation, lane, peer_view,
-                   gave_up, publish, report_timeout, wait_at_least)
+from .sync import (begin_operation, channel_tokens, end_operation, lane, peer_view, gave_up, publish, report_timeout,
+                   wait_at_least)
+from .status import NO_PEER, WAIT_ROWS, WAIT_SPACE
 
 
 @triton.jit

@@ -45,8 +45,8 @@ import triton.language as tl
 from .combine import reduce_tokens, store_combine_slots
 from .dispatch import load_slots, push_tokens, store_outputs
 from .intrinsics import clock_ns
-from .sync import (NO_PEER, WAIT_ROWS, begin_operation, channel_tokens, end_operation, gave_up, lane, peer_view,
-                   publish, report_timeout)
+from .sync import begin_operation, channel_tokens, end_operation, gave_up, lane, peer_view, publish, report_timeout
+from .status import NO_PEER, WAIT_ROWS
 
 
 @triton.jit

@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from .intrinsics import clock_ns
-from .sync import (NO_PEER, WAIT_ROWS, WAIT_SPACE, begin_operation, channel_tokens, end_operation, lane, peer_view,
-                   gave_up, publish, report_timeout, row_pointers, wait_at_least)
+from .sync import (begin_operation, channel_tokens, end_operation, lane, peer_view, gave_up, publish, report_timeout,
+                   row_pointers, wait_at_least)
+from .status import NO_PEER, WAIT_ROWS, WAIT_SPACE
 
 OWN_STEP = tl.constexpr(4)   # tiles of own tokens a receiver copies between two looks at its rings
 

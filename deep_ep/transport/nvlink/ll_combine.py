@@ -34,10 +34,10 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .intrinsics import follow_previous_kernel, to_bf16
+from .status import WAIT_LL_COMBINE
 from .sync import (begin_send, claim_arrival, finish_receive, in_rank_bits, rank_bits, report_bad_ids, row_pointers,
                    send_share, wait_for_senders)
 
-WAIT_LL_COMBINE = tl.constexpr(5)
 
 
 @triton.jit

@@ -37,11 +37,11 @@ import triton
 import triton.language as tl
 
 from .intrinsics import follow_previous_kernel, popcount, to_e4m3
-from .sync import (TOO_MANY_ROWS, begin_send, claim_arrival, finish_receive, in_rank_bits, rank_bits, report_bad_ids,
-                   report_bad_input, row_pointer, send_share, wait_for_senders)
+from .sync import (begin_send, claim_arrival, finish_receive, in_rank_bits, rank_bits, report_bad_ids, report_bad_input,
+                   row_pointer, send_share, wait_for_senders)
+from .status import TOO_MANY_ROWS, WAIT_LL_DISPATCH
 
 FP8_MAX = tl.constexpr(448.0)
-WAIT_LL_DISPATCH = tl.constexpr(4)
 
 
 @triton.jit

@@ -24,20 +24,8 @@ import triton
 import triton.language as tl
 
 from .intrinsics import clock_ns, cta_any
+from .status import BAD_IDS, MASKED_BY_PEER, NO_PEER, WAIT_FREE, WAIT_LL_FREE
 
-# status codes (status[0]); status[1] holds the peer
-WAIT_NOTIFY = tl.constexpr(1)
-WAIT_ROWS = tl.constexpr(2)
-WAIT_SPACE = tl.constexpr(3)
-STATUS_WHAT = {1: "its dispatch counts (notify)", 2: "its rows",
-               3: "it to read the rows already in its receive ring (ring slots to free up)",
-               4: "its low-latency dispatch rows", 5: "its low-latency combine rows",
-               6: "it to finish receiving the previous low-latency call on the same buffer half",
-               7: "it to finish reading the previous operation out of its buffer"}
-WAIT_LL_FREE = tl.constexpr(6)
-WAIT_FREE = tl.constexpr(7)
-MASKED_BY_PEER = tl.constexpr(8)   # (status[4 + rank] only: that rank had gone on without this one, wait_half_free)
-NO_PEER = tl.constexpr(1 << 30)
 STALE_NS = tl.constexpr(1_000_000)   # how long a wait runs before it also looks for an earlier timeout
 IDLE_POLLS = tl.constexpr(256)   # polls without progress between two looks at the clock (gave_up)
 # a low-latency half's RECEIVED grows by this per call: every receive program adds its share (finish_receive),
@@ -217,11 +205,6 @@ def row_pointer(address, offsets, dtype: tl.constexpr, BLOCK: tl.constexpr):
     stores through an address computed on the GPU use 16-byte accesses."""
     ptrs = tl.multiple_of(address, 16).to(tl.pointer_type(dtype)) + offsets
     return tl.max_contiguous(tl.multiple_of(ptrs, 16), BLOCK)
-
-
-# bad input seen by a low-latency kernel (status[2]; status[3] holds the value), raised by the host at its next check
-BAD_IDS = tl.constexpr(1)        # an expert id outside [-1, E)
-TOO_MANY_ROWS = tl.constexpr(2)  # a local expert sent more rows than its R * N (an expert listed several times)
 
 
 @triton.jit
