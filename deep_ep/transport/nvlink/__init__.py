@@ -33,13 +33,15 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
-from ...checks import disagreement, flag_setting, int_setting, too_many_rows_message
+from ...checks import disagreement, flag_setting, int_setting
 from ...config import _round_up
 from ...group import CommTimeoutError, Group, Topology, warn_caller
 from ...streams import allocate_outputs, capturing
 from ..base import DispatchOutput, Transport
 from ..reference import ReferenceTransport, dispatch_fields
 from .launcher import Pointer, Relaunch
+from .status import (BAD_INPUT, BAD_INPUT_VALUE, MASKS, TIMEOUT, TIMEOUT_PEER, bad_input_error, mask_warning,
+                     timeout_error_message)
 
 CMAX = 64                      # most channels (num_sms / 2) an operation may use
 MAX_EXPERTS_PER_RANK = 1024
@@ -179,14 +181,11 @@ class NVLinkTransport(Transport):
 
     # ---- bookkeeping -------------------------------------------------------------------------------
     def _check_status(self) -> None:
-        code = int(self._status_words[0])
-        if code:
-            from .sync import STATUS_WHAT
-            peer = int(self._status_words[1])
+        if self._status_words[TIMEOUT]:
+            peer = int(self._status_words[TIMEOUT_PEER])
             self.group.mark_broken(f"a GPU wait for rank {peer}")
-            raise CommTimeoutError(f"rank {self.topology.rank}: waited more than {self.timeout_ns / 1e9:g} s for rank "
-                                   f"{peer} to send {STATUS_WHAT.get(code, 'a signal')}; this Buffer cannot be used "
-                                   "any more")
+            raise CommTimeoutError(timeout_error_message(self.topology.rank, peer, int(self._status_words[TIMEOUT]),
+                                                         self.timeout_ns / 1e9))
 
     def _launch(self, key: tuple, make: Callable[[], Any]) -> Any:
         """The launches kept for `key` (a kernel and shape), made by `make()` the first time."""
@@ -549,28 +548,15 @@ class NVLinkTransport(Transport):
             return
         self._check_status()
         words = self._status_words
-        masked = words[4:].nonzero()[0] if self.low_latency.auto_mask else ()   # (only shrink mode's waits mask)
-        if len(masked):
-            from .sync import MASKED_BY_PEER, STATUS_WHAT
-            for peer in masked.tolist():
-                code = int(words[4 + peer])
-                words[4 + peer] = 0
-                if code == MASKED_BY_PEER.value:
-                    why = "finding that it had gone on without this rank (it had masked this rank)"
-                else:
-                    why = (f"waiting more than {self.timeout_ns / 1e9:g} s for "
-                           f"{STATUS_WHAT.get(code, 'a signal')}")
-                warn_caller(f"deep_ep: rank {self.topology.rank} masked rank {peer} after {why} (enable_shrink)")
-        if words[2]:
-            from .sync import TOO_MANY_ROWS
-            code, value = int(words[2]), int(words[3])
-            words[2] = 0
-            if code == TOO_MANY_ROWS.value:
-                raise ValueError(too_many_rows_message(self.topology.rank, value, "checked on the GPU; the rows "
-                                                       "past that were not written"))
-            raise ValueError(f"topk_idx of an earlier low-latency call on rank {self.topology.rank}: entries must be "
-                             f"-1 or in [0, num_experts), found {value} (checked on the GPU; those entries were "
-                             "treated as no selection)")
+        masked = words[MASKS:].nonzero()[0] if self.low_latency.auto_mask else ()   # (only shrink mode's waits mask)
+        for peer in masked.tolist() if len(masked) else ():
+            code = int(words[MASKS + peer])
+            words[MASKS + peer] = 0
+            warn_caller(mask_warning(self.topology.rank, peer, code, self.timeout_ns / 1e9))
+        if words[BAD_INPUT]:
+            error = bad_input_error(self.topology.rank, int(words[BAD_INPUT]), int(words[BAD_INPUT_VALUE]))
+            words[BAD_INPUT] = 0
+            raise error
 
     def low_latency_dispatch(self, *args, **kwargs):   # without a low-latency area (__init__ rebinds it otherwise)
         return self.reference.low_latency_dispatch(*args, **kwargs)
