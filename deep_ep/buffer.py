@@ -181,10 +181,10 @@ class Buffer:
                              "GPUs, each rank's process seeing every rank's GPU); pass group= a torch.distributed "
                              "process group")
         # the NVLink transport owns its buffers (they are mapped into the peers)
-        self._nvl_buffer = getattr(self._transport, "local_buffer", None)
+        self._nvl_buffer = self._transport.local_buffer
         if self._nvl_buffer is None:
             self._nvl_buffer = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device)
-        self._rdma_buffer = getattr(self._transport, "low_latency_buffer", None)
+        self._rdma_buffer = self._transport.low_latency_buffer
         if self._rdma_buffer is None:
             self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
         self.transport_name = self._transport.name

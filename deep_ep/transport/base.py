@@ -45,6 +45,10 @@ class Transport(ABC):
     """One data path for all of the Buffer's operations."""
 
     name: str
+    # the memory `Buffer.get_local_buffer_tensor` shows: the NVLink rows area (`num_nvl_bytes`) and the low-latency
+    # area (`num_rdma_bytes`), where the transport has them
+    local_buffer: Optional[torch.Tensor] = None
+    low_latency_buffer: Optional[torch.Tensor] = None
     # True: the transport checks input values (expert ids, layout consistency) itself, without an extra host
     # wait, and reports them by the next call that waits on the host; the Buffer then skips its own checks.
     checks_values_on_device = False
