@@ -5,16 +5,15 @@
 # Usage: bash benchmarks/gpu_run.sh [seconds for the tests, default 500] [parts, default "bench normal ll other"]
 #   bench: on 2 GPUs (transport forced to nvlink, a 60 s timeout for the library's waits, 240 s a run, so a
 #          hang costs one run, not the call), in order of need: normal and low-latency mode at 24 SMs, low-latency
-#          with DEEP_EP_LL_OWN_FROM_X=0, normal mode on the rings (hint-sized buffer; also with the receivers
-#          copying own rows), at 16 and 8 SMs, then the direct protocol's stage sizes (benchmarks/sweep_normal.py).
-#          On one GPU: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py,
-#          DEEP_EP_LL_OWN_FROM_X=1 and 0 alternated), their synchronisation steps (benchmarks/ll_fixed_costs.py),
+#          normal mode on the rings (hint-sized buffer), at 16 and 8 SMs, then the direct protocol's stage sizes (benchmarks/sweep_normal.py).
+#          On one GPU: low-latency kernel times on one rank (benchmarks/ll_kernel_times.py), their
+#          synchronisation steps (benchmarks/ll_fixed_costs.py),
 #          and short runs with both ranks on the GPU, which check the benchmark's code paths (their times say
 #          nothing of NVLink)
 #   normal: tests/test_nvlink.py and test_nvlink_launch.py in groups (the stress runs apart: on one GPU each of
 #   its two runs takes 2.5 minutes alone), and the comparisons again with the rings only; ll: the
 #   low-latency tests (ll-compare: the comparisons with the reference; ll-variants: the 2-rank comparison with
-#   DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0, part of ll on 2 GPUs; ll-other: the rest; on one GPU they run one
+#   DEEP_EP_LL_FUSED=0, part of ll on 2 GPUs; ll-other: the rest; on one GPU they run one
 #   after the other, so there a call of at most 10 minutes takes one of them);
 #   other: the rest of the suite (on one GPU, beside normal, tests/test_normal.py does not finish within 10 minutes)
 #   shrink: the automatic-masking test of tests/test_low_latency.py fifteen times, three at once, each with a
@@ -51,12 +50,8 @@ bench() {   # title, then benchmark arguments; every run appends to bench.txt (w
 }
 if has bench && [ "$gpus" -lt 2 ]; then
     run_limit=$limit bench_env=""
-    # the combine's own rows read from the expert output (default) or sent like the others, alternated twice
-    for own_from_x in 1 0 1 0; do
-        echo "=== low-latency kernel times, one rank, DEEP_EP_LL_OWN_FROM_X=$own_from_x" >> "$out/bench.txt"
-        DEEP_EP_LL_OWN_FROM_X=$own_from_x timeout "$limit" python3 benchmarks/ll_kernel_times.py --replays 100 \
-            >> "$out/bench.txt" 2>&1 || bench_status=$?
-    done
+    echo "=== low-latency kernel times, one rank" >> "$out/bench.txt"
+    timeout "$limit" python3 benchmarks/ll_kernel_times.py --replays 100 >> "$out/bench.txt" 2>&1 || bench_status=$?
     echo "=== low-latency synchronisation steps, one rank" >> "$out/bench.txt"
     timeout "$limit" python3 benchmarks/ll_fixed_costs.py >> "$out/bench.txt" 2>&1 || bench_status=$?
     echo "one GPU: the benchmark as a smoke test only (both ranks on this GPU)"
@@ -69,11 +64,8 @@ elif has bench; then
     bench_env="DEEP_EP_TRANSPORT=nvlink DEEP_EP_TIMEOUT_S=60"
     # a 2 GB buffer (DeepEP's own test passes 2e9): every row fits, the direct protocol serves dispatch and combine
     bench "24 SMs, 2 GB buffer" --mode all --num-sms 24 --nvl-bytes 2000000000 --kernels
-    DEEP_EP_LL_OWN_FROM_X=0 bench "low-latency, the combine sends own rows too" --mode low-latency
     # the size hint's buffer: the rows stream through the rings
     bench "24 SMs, hint-sized buffer (rings)" --mode normal --num-sms 24 --kernels
-    DEEP_EP_NVLINK_OWN_ROWS=receiver bench "24 SMs, rings, own rows copied by the receivers" --mode normal \
-        --num-sms 24
     bench "16 SMs, 2 GB buffer" --mode normal --num-sms 16 --nvl-bytes 2000000000
     bench "8 SMs, 2 GB buffer" --mode normal --num-sms 8 --nvl-bytes 2000000000
     # the direct protocol's stages: a few tokens at a time against one stage (push all, then copy out / reduce:
@@ -124,12 +116,12 @@ if has normal; then
     run_tests tests_nvlink_stress tests/test_nvlink.py -k "stress" &
     run_tests tests_nvlink_other tests/test_nvlink.py tests/test_nvlink_launch.py \
         -k "not (sweep or small_rings or matches_model or many_ranks or stress)" &
-    DEEP_EP_NVLINK_DIRECT=0 DEEP_EP_NVLINK_OWN_ROWS=receiver run_tests tests_rings_only tests/test_nvlink.py \
+    DEEP_EP_NVLINK_DIRECT=0 run_tests tests_rings_only tests/test_nvlink.py \
         -k "sweep or small_rings" &
 fi
 ll_compare() { run_tests tests_ll_compare tests/test_nvlink_low_latency.py -k "matches_reference"; }
-ll_variants() {   # the 2-rank comparison with the alternative kernels (every row sent, no fused kernel)
-    DEEP_EP_LL_OWN_FROM_X=0 DEEP_EP_LL_FUSED=0 run_tests tests_ll_variants tests/test_nvlink_low_latency.py \
+ll_variants() {   # the 2-rank comparison without the fused kernel
+    DEEP_EP_LL_FUSED=0 run_tests tests_ll_variants tests/test_nvlink_low_latency.py \
         -k "matches_reference and 2"
 }
 ll_other() { run_tests tests_ll_other tests/test_nvlink_low_latency.py tests/test_low_latency.py -k "not matches_reference"; }

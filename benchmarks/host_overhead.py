@@ -31,8 +31,8 @@ import torch.multiprocessing as mp
 LAYERS = (("deep_ep.buffer:Buffer", ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch",
                                      "low_latency_combine")),
           ("deep_ep.streams:CommStream", ("run",)),
-          ("deep_ep.transport.nvlink:NVLinkTransport", ("get_dispatch_layout", "dispatch", "cached_dispatch",
-                                                        "combine", "_run_dispatch", "_plan", "_begin")),
+          ("deep_ep.transport.nvlink.normal:NVLinkNormal", ("get_dispatch_layout", "dispatch", "cached_dispatch",
+                                                            "combine", "_run_dispatch", "_plan", "_begin")),
           ("deep_ep.transport.nvlink.low_latency:NVLinkLowLatency", ("dispatch", "combine")),
           ("deep_ep.transport.nvlink.launcher:Relaunch", ("__call__",)))
 PROFILED = ("get_dispatch_layout", "cached dispatch BF16", "combine", "low_latency_dispatch FP8",

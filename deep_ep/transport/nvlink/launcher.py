@@ -13,7 +13,7 @@ tensors, such as pinned status words, as tensors: the launcher translates their 
 call with a new key goes through Triton's own path, which compiles or finds the kernel and returns it, so
 Triton stays the judge of what a specialisation needs; the key here only has to be at least as fine as
 Triton's. Arguments of other kinds (tuples, int subclasses, tensor subclasses, ...), launch hooks (set by
-profilers), Triton's interpreter and DEEP_EP_FAST_LAUNCH=0 send the call through Triton's path. Like
+profilers) and Triton's interpreter send the call through Triton's path. Like
 Triton's own cache, this one assumes the kernels' global constants do not change after their first launch.
 
 `Relaunch` goes further for launches repeated with the same shapes: the caller names the arguments that
@@ -28,11 +28,23 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import triton
 
-from ...checks import flag_setting
-
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")   # (as Triton reads it)
-ENABLED = flag_setting("DEEP_EP_FAST_LAUNCH", True) and not INTERPRETED
+ENABLED = not INTERPRETED   # (tests turn the fast path off to compare it with Triton's)
 _PLAIN = (bool, float, type(None))   # runtime arguments keyed by their type alone (as Triton does)
+
+
+def next_pow2(value: int) -> int:
+    """The smallest power of two >= `value` (1 for values below 2): a block size for `value` elements."""
+    return 1 << max(value - 1, 0).bit_length()
+
+
+def _launch_options() -> Optional[frozenset]:
+    """The launch options this Triton's CUDA backend takes (None where it cannot be asked)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return None
+    return frozenset(getattr(CUDAOptions, "__dataclass_fields__", ()))
 
 
 class _Signature:
@@ -208,6 +220,7 @@ class Relaunch:
         # (Triton's interpreter gives kernels without `params`: their relaunches always take `launch`'s path,
         # which hands them to Triton)
         signature = _signature(fn) or _Signature.of_names(fn)
+        _check_names(fn, signature, vary, kwargs)
         varied = [signature.index[name] for name in vary]
         if any(signature.constexpr[position] for position in varied):
             raise TypeError(f"Relaunch of {_name(fn)}: constexprs are fixed (vary: {vary})")
@@ -258,6 +271,20 @@ class Relaunch:
         kernel = _launch(self.fn, grid[:3], tuple(values), self.options)
         if kernel is not None and key is not None:
             self.kernels[key] = kernel
+
+
+def _check_names(fn: Any, signature: _Signature, vary: Tuple[str, ...], kwargs: Dict[str, Any]) -> None:
+    """TypeError unless every name in `vary` is a parameter of `fn`, appearing once, and every keyword is a
+    parameter or a launch option of this Triton."""
+    unknown = [name for name in vary if name not in signature.index]
+    repeated = sorted({name for name in vary if vary.count(name) > 1})
+    options = _launch_options()
+    if options is not None:
+        unknown += [name for name in kwargs if name not in signature.index and name not in options]
+    if unknown or repeated:
+        raise TypeError(f"Relaunch of {_name(fn)}: {', '.join(unknown)} not among its parameters "
+                        f"({', '.join(signature.names)}) or launch options" if unknown else
+                        f"Relaunch of {_name(fn)}: {', '.join(repeated)} named more than once in vary")
 
 
 def _name(fn: Any) -> str:

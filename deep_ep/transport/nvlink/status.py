@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import triton.language as tl
 
 from ...checks import too_many_rows_message
+from ...group import CommTimeoutError, Group, warn_caller
 
 # wait codes (TIMEOUT, and the per-rank mask words); each names what the rank waited for
 WAIT_NOTIFY = tl.constexpr(1)
@@ -74,3 +76,39 @@ def bad_input_error(rank: int, code: int, value: int) -> Optional[ValueError]:
     return ValueError(f"topk_idx of an earlier low-latency call on rank {rank}: entries must be -1 or in "
                       f"[0, num_experts), found {value} (checked on the GPU; those entries were treated as no "
                       "selection)")
+
+
+class StatusWords:
+    """A Buffer's status words in pinned host memory, and the errors and warnings they hold."""
+
+    def __init__(self, group: Group, timeout_ns: int) -> None:
+        self.group, self.rank, self.timeout_ns = group, group.rank, timeout_ns
+        self.tensor = torch.zeros(MASKS + group.size, dtype=torch.int32, device="cpu").pin_memory()
+        self._words = self.tensor.numpy()   # (the same memory, read without torch's per-call overhead)
+
+    def raise_timeout(self) -> None:
+        """CommTimeoutError if a wait of a kernel gave up; the group is then marked broken."""
+        code = int(self._words[TIMEOUT])
+        if code:
+            peer = int(self._words[TIMEOUT_PEER])
+            self.group.mark_broken(f"a GPU wait for rank {peer}")
+            raise CommTimeoutError(timeout_error_message(self.rank, peer, code, self.timeout_ns / 1e9))
+
+    def mark_broken_after_timeout(self) -> None:
+        """After the GPU's work is done: a wait that gave up after the last call leaves the ranks out of step."""
+        if self._words[TIMEOUT]:
+            self.group.mark_broken(f"a GPU wait for rank {int(self._words[TIMEOUT_PEER])}")
+
+    def report_low_latency(self, warn_masked: bool) -> None:
+        """Warn about ranks masked since the last call (shrink mode, where `warn_masked`), then raise the bad
+        input an earlier low-latency kernel saw."""
+        words = self._words
+        if warn_masked:
+            for peer in words[MASKS:].nonzero()[0].tolist():
+                code = int(words[MASKS + peer])
+                words[MASKS + peer] = 0
+                warn_caller(mask_warning(self.rank, peer, code, self.timeout_ns / 1e9))
+        if words[BAD_INPUT]:
+            error = bad_input_error(self.rank, int(words[BAD_INPUT]), int(words[BAD_INPUT_VALUE]))
+            words[BAD_INPUT] = 0
+            raise error
