@@ -183,8 +183,21 @@ def test_relaunch_needs_every_fixed_value_and_fixed_constexprs(recorder):
         launcher.Relaunch(recorder, (1,), ("src_ptr", "BLOCK"), dst_ptr=dst, num=8, scale=1, offset=0, NEGATE=False)
 
 
+def test_relaunch_checks_its_names_against_the_kernel(recorder):
+    dst = torch.zeros(8, dtype=torch.int32)
+    fixed = dict(dst_ptr=dst, num=8, scale=1, offset=0, BLOCK=8, NEGATE=False)
+    launcher.Relaunch(recorder, (1,), ("src_ptr",), **fixed, num_warps=4)   # parameters and a launch option
+    with pytest.raises(TypeError, match="srcptr not among its parameters"):
+        launcher.Relaunch(recorder, (1,), ("srcptr",), **fixed)
+    with pytest.raises(TypeError, match="src_ptr named more than once"):
+        launcher.Relaunch(recorder, (1,), ("src_ptr", "src_ptr"), **fixed)
+    if launcher._launch_options() is not None:   # (a Triton whose CUDA backend can say which options it takes)
+        with pytest.raises(TypeError, match="dst_pointer not among its parameters"):
+            launcher.Relaunch(recorder, (1,), ("src_ptr",), dst_pointer=dst, **fixed)
+
+
 def test_relaunch_without_the_cache_goes_through_triton(recorder, monkeypatch):
-    monkeypatch.setattr(launcher, "ENABLED", False)   # DEEP_EP_FAST_LAUNCH=0 or Triton's interpreter
+    monkeypatch.setattr(launcher, "ENABLED", False)   # as under Triton's interpreter
     src = torch.zeros(8, dtype=torch.int32)
     relaunch = launcher.Relaunch(recorder, (1,), ("src_ptr",), dst_ptr=src, num=8, scale=1, offset=0, BLOCK=8,
                                  NEGATE=False)
