@@ -76,9 +76,9 @@ else:
     def follow_previous_kernel():
         """The start of a kernel launched with `launch_pdl` (programmatic dependent launch, sm_90 and later),
         which may begin once the previous kernel's programs have all exited: wait until that kernel's writes
-        are visible. The launch thus overlaps the previous kernel's end. (No early trigger for the next
-        kernel: its programs, resident while this one runs, made a low-latency round trip about 6 us slower
-        on one H200.) Without the launch attribute a no-op."""
+        are visible. The launch thus overlaps the previous kernel's end. There is no early trigger for the next
+        kernel: its programs would be resident while this one runs (slower, benchmarks/RESULTS.md). Without the
+        launch attribute a no-op."""
         gdc_wait()
 
     @triton.jit

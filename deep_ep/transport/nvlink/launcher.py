@@ -2,9 +2,8 @@
 
 Triton's launch path binds every argument, works out each one's specialisation, turns them into a cache-key
 string, then lets the C launcher call `data_ptr()` and check every tensor's pointer with the driver. For the
-transport's kernels (20 to 45 arguments) that is about 40 us of host time per launch on an H200 machine's
-host (benchmarks/host_overhead.py --breakdown), more than some of the kernels take on the GPU; this path
-takes about 26 us there.
+transport's kernels (20 to 45 arguments) that costs more host time per launch than some of the kernels take
+on the GPU (benchmarks/host_overhead.py --breakdown; figures in benchmarks/RESULTS.md).
 
 `launch(fn, grid, *args, **kwargs)` does the same launch with less: the compiled kernel is looked up by a
 tuple of what Triton specialises on (each CUDA tensor's dtype and 16-byte alignment, each int's value class,
