@@ -12,13 +12,16 @@ grad, grad of combine = dispatch of the grad.
 from __future__ import annotations
 
 import traceback
-from typing import Any, Dict, List
+from typing import List
 
 import torch
 
 import model
+from cases import NormalCase
+from compare import report_mismatches
+from inputs import wide_random
+from normal_mode import BUFFER_TIMEOUT_S, NormalChecker, make_sources, nvl_bytes
 from randomness import base_seed, generator
-from test_normal import BUFFER_TIMEOUT_S, Checker, _report, make_sources, nvl_bytes, wide_random
 
 
 class FusedDispatch(torch.autograd.Function):
@@ -71,22 +74,22 @@ class FusedCombine(torch.autograd.Function):
 
 
 CASES = [
-    dict(name="ag-masked", tokens=[50, 80], hidden=256, topk=4, experts_per_rank=4, mask_frac=0.2, x="bf16"),
-    dict(name="ag-zero-tokens-async", tokens=[0, 64], hidden=128, topk=2, experts_per_rank=3, routing="skewed",
-         x="bf16", async_finish=True),
-    dict(name="ag-top8-h200", tokens=[33, 21], hidden=200, topk=8, experts_per_rank=8, mask_frac=0.1, x="bf16"),
+    NormalCase(name="ag-masked", tokens=[50, 80], hidden=256, topk=4, experts_per_rank=4, mask_frac=0.2, x="bf16"),
+    NormalCase(name="ag-zero-tokens-async", tokens=[0, 64], hidden=128, topk=2, experts_per_rank=3, routing="skewed",
+               x="bf16", async_finish=True),
+    NormalCase(name="ag-top8-h200", tokens=[33, 21], hidden=200, topk=8, experts_per_rank=8, mask_frac=0.1, x="bf16"),
 ]
 
 
-def run_autograd(ctx, seed: int, cases: List[Dict[str, Any]]) -> List[str]:
+def run_autograd(ctx, seed: int, cases: List[NormalCase]) -> List[str]:
     from deep_ep import Buffer
     buffer = Buffer(ctx.group, nvl_bytes(), 0, explicitly_destroy=True, timeout_s=BUFFER_TIMEOUT_S)
     errors: List[str] = []
     for case in cases:
-        chk = Checker(seed, case["name"], ctx.rank)
+        chk = NormalChecker(seed, case.name, ctx.rank)
         try:
             autograd_case(ctx, buffer, seed, case, chk)
-        except Exception:  # noqa: BLE001 - stop and fail the rank (see test_normal.run_cases)
+        except Exception:  # noqa: BLE001 - stop and fail the rank (see normal_mode.run_cases)
             chk.fail("exception (remaining cases skipped)", traceback.format_exc())
             raise AssertionError("\n".join(errors + chk.errors)) from None
         errors.extend(chk.errors)
@@ -94,11 +97,11 @@ def run_autograd(ctx, seed: int, cases: List[Dict[str, Any]]) -> List[str]:
     return errors
 
 
-def autograd_case(ctx, buffer, seed: int, case: Dict[str, Any], chk: Checker) -> None:
+def autograd_case(ctx, buffer, seed: int, case: NormalCase, chk: NormalChecker) -> None:
     num_ranks, rank, device = ctx.world_size, ctx.rank, ctx.device
-    num_experts = num_ranks * case["experts_per_rank"]
-    hidden, num_topk = case["hidden"], case["topk"]
-    async_finish = case.get("async_finish", False)
+    num_experts = num_ranks * case.experts_per_rank
+    hidden, num_topk = case.hidden, case.topk
+    async_finish = case.async_finish
     sources = make_sources(seed, case, num_ranks, None)
     expected = [model.dispatch(sources, g, num_experts, num_channels=Buffer_channels()) for g in range(num_ranks)]
     rows_of = [e.rows for e in expected]
@@ -110,7 +113,7 @@ def autograd_case(ctx, buffer, seed: int, case: Dict[str, Any], chk: Checker) ->
         return torch.where(num_dest > 0, v.float() * num_dest, torch.zeros(())).to(torch.bfloat16)
 
     # ---- 1. combine(dispatch(x)) == x * (number of destination ranks): small integers keep it exact
-    xs = [torch.randint(-8, 9, (s.num_tokens, hidden), generator=generator(seed, case["name"], "int-x", g))
+    xs = [torch.randint(-8, 9, (s.num_tokens, hidden), generator=generator(seed, case.name, "int-x", g))
           .to(torch.bfloat16) for g, s in enumerate(sources)]
     x = xs[rank].to(device).requires_grad_()
     idx = me.topk_idx.to(device)
@@ -124,7 +127,7 @@ def autograd_case(ctx, buffer, seed: int, case: Dict[str, Any], chk: Checker) ->
     chk.equal("combine(dispatch(x)) == x * num_destinations", out, times_num_dest(xs[rank]))
 
     # ---- 2. backward through both: d/dx sum(out * G) = G * num_destinations (identity experts)
-    g_out = [wide_random(generator(seed, case["name"], "g-out", g), s.num_tokens, hidden)
+    g_out = [wide_random(generator(seed, case.name, "g-out", g), s.num_tokens, hidden)
              for g, s in enumerate(sources)]
     (out.float() * g_out[rank].to(device).float()).sum().backward()
     chk.equal("round-trip grad x == G * num_destinations", x.grad, times_num_dest(g_out[rank]))
@@ -135,9 +138,9 @@ def autograd_case(ctx, buffer, seed: int, case: Dict[str, Any], chk: Checker) ->
     probs = me.topk_weights.to(device).requires_grad_()
     recv_x, recv_idx, recv_probs, counts, handle = FusedDispatch.apply(x, idx, probs, num_experts, buffer, async_finish)
     chk.equal("dispatch recv_x", recv_x, expected[rank].recv_x)
-    g_recv = [wide_random(generator(seed, case["name"], "g-recv", g), len(rows_of[g]), hidden)
+    g_recv = [wide_random(generator(seed, case.name, "g-recv", g), len(rows_of[g]), hidden)
               for g in range(num_ranks)]
-    g_probs = [wide_random(generator(seed, case["name"], "g-probs", g), len(rows_of[g]), num_topk, dtype=torch.float32)
+    g_probs = [wide_random(generator(seed, case.name, "g-probs", g), len(rows_of[g]), num_topk, dtype=torch.float32)
                for g in range(num_ranks)]
     loss = (recv_x.float() * g_recv[rank].to(device).float()).sum() + (recv_probs * g_probs[rank].to(device)).sum()
     loss.backward()
@@ -148,7 +151,7 @@ def autograd_case(ctx, buffer, seed: int, case: Dict[str, Any], chk: Checker) ->
     chk.equal("grad probs of dispatch == combine(masked grad)", probs.grad, exp_gp)
     # the same, stated directly: d recv_probs[i, k] / d probs[t, k] = 1 on the rank owning the expert
     analytic = torch.zeros(me.num_tokens, num_topk)
-    experts_per_rank = case["experts_per_rank"]
+    experts_per_rank = case.experts_per_rank
     for t in range(me.num_tokens):
         for k in range(num_topk):
             e = int(me.topk_idx[t, k])
@@ -160,7 +163,7 @@ def autograd_case(ctx, buffer, seed: int, case: Dict[str, Any], chk: Checker) ->
     # ---- 4. grad of combine == dispatch of the grad
     y = recv_x.detach().clone().requires_grad_()
     out = FusedCombine.apply(y, buffer, handle)
-    g_comb = [wide_random(generator(seed, case["name"], "g-comb", g), s.num_tokens, hidden)
+    g_comb = [wide_random(generator(seed, case.name, "g-comb", g), s.num_tokens, hidden)
               for g, s in enumerate(sources)]
     (out.float() * g_comb[rank].to(device).float()).sum().backward()
     chk.equal("grad of combine == dispatch(grad)", y.grad, model.cached_dispatch(g_comb, rows_of[rank]))
@@ -175,4 +178,4 @@ def Buffer_channels() -> int:  # noqa: N802 - the default config's channel count
 
 def test_autograd_two_ranks(pool):
     seed = base_seed()
-    _report(seed, lambda: pool(2).run(run_autograd, seed, CASES))
+    report_mismatches(seed, lambda: pool(2).run(run_autograd, seed, CASES))

@@ -22,6 +22,7 @@ import os
 import re
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple, Union
 from unittest import mock
 
@@ -71,9 +72,16 @@ def noncontig(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
 class Case:
-    def __init__(self, category: str, name: str, sync: str, exc: type, names: Names, fn: Callable[[], Any]) -> None:
-        self.category, self.name, self.sync, self.exc, self.names, self.fn = category, name, sync, exc, names, fn
+    """One refused call: `fn()` must raise `exc` naming `names`; then a valid call of kind `sync` ("normal" or
+    "ll") shows whether the group is still in step."""
+    category: str
+    name: str
+    sync: str
+    exc: type
+    names: Names
+    fn: Callable[[], Any]
 
 
 class Results:
@@ -191,6 +199,31 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
     i32 = lambda t: t.to(torch.int32)  # noqa: E731
     meta = lambda t: t.to("meta")      # noqa: E731
     status = torch.zeros(2, dtype=torch.int32, device=dev)
+    ll_out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+
+    # calls with one tensor argument spoiled: (sync, the argument, the call given `bad`, which spoils the argument)
+    spoilable: Dict[str, Tuple[str, str, Callable[[Callable], Callable[[], Any]]]] = {
+        "layout topk_idx": ("normal", "topk_idx", lambda bad: lambda: buf.get_dispatch_layout(bad(topk_idx), E)),
+        "dispatch x": ("normal", "x", lambda bad: D(x=bad(x))),
+        "dispatch topk_idx": ("normal", "topk_idx", lambda bad: D(topk_idx=bad(topk_idx))),
+        "dispatch topk_weights": ("normal", "topk_weights", lambda bad: D(topk_weights=bad(topk_weights))),
+        "dispatch is_token_in_rank": ("normal", "is_token_in_rank", lambda bad: D(is_token_in_rank=bad(itir))),
+        "dispatch num_tokens_per_rank": ("normal", "num_tokens_per_rank", lambda bad: D(num_tokens_per_rank=bad(ntpr))),
+        "combine x": ("normal", "x", lambda bad: C(x=bad(recv_x))),
+        "combine topk_weights": ("normal", "topk_weights", lambda bad: C(topk_weights=bad(recv_topk_weights))),
+        "combine bias": ("normal", "bias", lambda bad: C(bias=bad(bias))),
+        "LL dispatch x": ("ll", "x", lambda bad: LD(x=bad(x))),
+        "LL dispatch topk_idx": ("ll", "topk_idx", lambda bad: LD(topk_idx=bad(topk_idx))),
+        "LL combine x": ("ll", "x", lambda bad: LC(x=bad(ll_recv_x))),
+        "LL combine topk_idx": ("ll", "topk_idx", lambda bad: LC(topk_idx=bad(topk_idx))),
+        "LL combine topk_weights": ("ll", "topk_weights", lambda bad: LC(topk_weights=bad(topk_weights))),
+        "LL combine out": ("ll", "out", lambda bad: LC(out=bad(ll_out))),
+    }
+
+    def spoiled(category: str, bad: Callable[[torch.Tensor], torch.Tensor], names: List[str]) -> List[Case]:
+        """The calls `names` of `spoilable` with their argument spoiled by `bad`: ValueError naming it."""
+        return [Case(category, name, spoilable[name][0], ValueError, [spoilable[name][1]], spoilable[name][2](bad))
+                for name in names]
 
     cases = [
         # ---- wrong dtype: TypeError ----
@@ -282,48 +315,15 @@ def run_error_cases(ctx, start: int = 0, progress_dir: str = "") -> Dict[str, An
         Case("shape", "LL combine out wrong shape", "ll", ValueError, ["out"],
              LC(out=torch.empty((T, H + 8), dtype=torch.bfloat16, device=dev))),
 
-        # ---- non-contiguous: ValueError ----
-        Case("contiguity", "layout topk_idx", "normal", ValueError, ["topk_idx"],
-             lambda: buf.get_dispatch_layout(noncontig(topk_idx), E)),
-        Case("contiguity", "dispatch x", "normal", ValueError, ["x"], D(x=noncontig(x))),
-        Case("contiguity", "dispatch topk_idx", "normal", ValueError, ["topk_idx"], D(topk_idx=noncontig(topk_idx))),
-        Case("contiguity", "dispatch topk_weights", "normal", ValueError, ["topk_weights"],
-             D(topk_weights=noncontig(topk_weights))),
-        Case("contiguity", "dispatch is_token_in_rank", "normal", ValueError, ["is_token_in_rank"],
-             D(is_token_in_rank=noncontig(itir))),
-        Case("contiguity", "combine x", "normal", ValueError, ["x"], C(x=noncontig(recv_x))),
-        Case("contiguity", "combine topk_weights", "normal", ValueError, ["topk_weights"],
-             C(topk_weights=noncontig(recv_topk_weights))),
-        Case("contiguity", "combine bias", "normal", ValueError, ["bias"], C(bias=noncontig(bias))),
-        Case("contiguity", "LL dispatch x", "ll", ValueError, ["x"], LD(x=noncontig(x))),
-        Case("contiguity", "LL dispatch topk_idx", "ll", ValueError, ["topk_idx"], LD(topk_idx=noncontig(topk_idx))),
-        Case("contiguity", "LL combine x", "ll", ValueError, ["x"], LC(x=noncontig(ll_recv_x))),
-        Case("contiguity", "LL combine topk_idx", "ll", ValueError, ["topk_idx"], LC(topk_idx=noncontig(topk_idx))),
-        Case("contiguity", "LL combine topk_weights", "ll", ValueError, ["topk_weights"],
-             LC(topk_weights=noncontig(topk_weights))),
-
-        # ---- wrong device ('meta'): ValueError ----
-        Case("device", "layout topk_idx", "normal", ValueError, ["topk_idx"],
-             lambda: buf.get_dispatch_layout(meta(topk_idx), E)),
-        Case("device", "dispatch x", "normal", ValueError, ["x"], D(x=meta(x))),
-        Case("device", "dispatch topk_idx", "normal", ValueError, ["topk_idx"], D(topk_idx=meta(topk_idx))),
-        Case("device", "dispatch topk_weights", "normal", ValueError, ["topk_weights"],
-             D(topk_weights=meta(topk_weights))),
-        Case("device", "dispatch is_token_in_rank", "normal", ValueError, ["is_token_in_rank"],
-             D(is_token_in_rank=meta(itir))),
-        Case("device", "dispatch num_tokens_per_rank", "normal", ValueError, ["num_tokens_per_rank"],
-             D(num_tokens_per_rank=meta(ntpr))),
-        Case("device", "combine x", "normal", ValueError, ["x"], C(x=meta(recv_x))),
-        Case("device", "combine topk_weights", "normal", ValueError, ["topk_weights"],
-             C(topk_weights=meta(recv_topk_weights))),
-        Case("device", "combine bias", "normal", ValueError, ["bias"], C(bias=meta(bias))),
-        Case("device", "LL dispatch x", "ll", ValueError, ["x"], LD(x=meta(x))),
-        Case("device", "LL dispatch topk_idx", "ll", ValueError, ["topk_idx"], LD(topk_idx=meta(topk_idx))),
-        Case("device", "LL combine x", "ll", ValueError, ["x"], LC(x=meta(ll_recv_x))),
-        Case("device", "LL combine topk_weights", "ll", ValueError, ["topk_weights"],
-             LC(topk_weights=meta(topk_weights))),
-        Case("device", "LL combine out", "ll", ValueError, ["out"],
-             LC(out=torch.empty((T, H), dtype=torch.bfloat16, device="meta"))),
+        # ---- non-contiguous, wrong device ('meta'): ValueError ----
+        *spoiled("contiguity", noncontig, [
+            "layout topk_idx", "dispatch x", "dispatch topk_idx", "dispatch topk_weights", "dispatch is_token_in_rank",
+            "combine x", "combine topk_weights", "combine bias", "LL dispatch x", "LL dispatch topk_idx",
+            "LL combine x", "LL combine topk_idx", "LL combine topk_weights"]),
+        *spoiled("device", meta, [
+            "layout topk_idx", "dispatch x", "dispatch topk_idx", "dispatch topk_weights", "dispatch is_token_in_rank",
+            "dispatch num_tokens_per_rank", "combine x", "combine topk_weights", "combine bias", "LL dispatch x",
+            "LL dispatch topk_idx", "LL combine x", "LL combine topk_weights", "LL combine out"]),
 
         # ---- expert ids out of range: ValueError ----
         Case("expert_range", "layout id == num_experts", "normal", ValueError, ["topk_idx"],

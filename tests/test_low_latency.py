@@ -22,70 +22,22 @@ from __future__ import annotations
 import os
 import traceback
 import warnings
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
 
 import model_low_latency as M
-from dist_utils import run_on_another_thread
+from cases import CaseInputs, LowLatencyCase, RoundOptions
+from compare import Mismatches, report_mismatches
+from dist_utils import run_deterministic, run_on_another_thread, run_under_defaults
+from inputs import LOW_LATENCY_ROUTING, make_octave_spread_x, make_routing, wide_random
 from randomness import base_seed, bits, generator
 
 # ---------------------------------------------------------------------------------------------------
 # seeds and random inputs (identical on every rank)
 # ---------------------------------------------------------------------------------------------------
-
-
-def make_routing(gen: torch.Generator, num_tokens: int, num_topk: int, num_experts: int, style: str,
-                 mask_frac: float, hot_expert: int):
-    """(topk_idx int64 [T, K], topk_weights float32 [T, K]).
-
-    styles: "uniform" (K distinct experts; K may exceed E only with "dup"), "skewed" (most tokens pick the hot
-    expert, scores favour the hot expert's rank), "dup" (half of the tokens repeat their first expert in slot 1,
-    and some in the last slot too), "first_half" (only the experts of the first half of the ranks, K <= E / 2:
-    the other ranks receive nothing). `mask_frac` of the entries become -1; token 0 then selects nothing.
-    """
-    if num_topk <= num_experts:
-        scores = torch.rand(num_tokens, num_experts, generator=gen)
-        if style == "skewed":
-            hot = torch.rand(num_tokens, generator=gen) < 0.85
-            scores[hot, hot_expert] += 10.0
-        if style == "first_half":
-            scores[:, num_experts // 2:] = -1.0
-        idx = scores.topk(num_topk, dim=1).indices.to(torch.int64)
-    else:
-        idx = torch.randint(num_experts, (num_tokens, num_topk), generator=gen, dtype=torch.int64)
-    if style == "dup" and num_topk > 1 and num_tokens > 0:
-        dup = torch.rand(num_tokens, generator=gen) < 0.5
-        idx[dup, 1] = idx[dup, 0]
-        dup2 = torch.rand(num_tokens, generator=gen) < 0.3
-        idx[dup2, num_topk - 1] = idx[dup2, 0]
-    if mask_frac > 0 and num_tokens > 0:
-        idx[torch.rand(num_tokens, num_topk, generator=gen) < mask_frac] = -1
-        idx[0] = -1
-    weights = torch.randn(num_tokens, num_topk, generator=gen, dtype=torch.float32)
-    return idx.contiguous(), weights.contiguous()
-
-
-def make_x(gen: torch.Generator, num_tokens: int, hidden: int) -> torch.Tensor:
-    """bf16 tokens with per-token and per-128-group magnitudes spread over many octaves (exercises the FP8
-    scales); token 1 is all zeros and token 2 tiny (both hit the amax floor 1e-4)."""
-    x = torch.randn(num_tokens, hidden, generator=gen)
-    x *= torch.pow(2.0, torch.randint(-12, 9, (num_tokens, 1), generator=gen).float())
-    groups = M.ceil_div(hidden, 128)
-    group_scale = torch.pow(2.0, torch.randint(-4, 5, (num_tokens, groups), generator=gen).float())
-    x *= group_scale.repeat_interleave(128, dim=1)[:, :hidden]
-    if num_tokens > 1:
-        x[1] = 0
-    if num_tokens > 2:
-        x[2] *= 1e-7 / max(float(x[2].abs().max()), 1e-30)
-    return x.to(torch.bfloat16).contiguous()
-
-
-def wide_rows(gen: torch.Generator, rows: int, hidden: int) -> torch.Tensor:
-    """bf16 values spread over 2^-16..2^16: fp32 sums of a few are inexact, so the order shows in the bits."""
-    scale = torch.pow(2.0, torch.randint(-16, 17, (rows, hidden), generator=gen).float())
-    return (torch.randn(rows, hidden, generator=gen) * scale).to(torch.bfloat16)
 
 
 def logfmt_rows(gen: torch.Generator, rows: int, hidden: int) -> torch.Tensor:
@@ -113,15 +65,17 @@ def logfmt_encoded(rows: torch.Tensor) -> torch.Tensor:
     return encoded
 
 
-def make_sources(seed: int, case: Dict[str, Any], num_ranks: int, tag: str = "") -> List[M.Source]:
-    num_experts = num_ranks * case["experts_per_rank"]
-    hot = int(torch.randint(num_experts, (1,), generator=generator(seed, case["name"], tag, "hot")))
+def make_sources(seed: int, case: CaseInputs, num_ranks: int) -> List[M.Source]:
+    """Every rank's inputs of `case` (the same on every rank)."""
+    num_experts = num_ranks * case.experts_per_rank
+    # (the "" key keeps the inputs that earlier seeds drew)
+    hot = int(torch.randint(num_experts, (1,), generator=generator(seed, case.name, "", "hot")))
     sources = []
     for s in range(num_ranks):
-        gen = generator(seed, case["name"], tag, "source", s)
-        idx, w = make_routing(gen, case["tokens"][s], case["topk"], num_experts, case.get("routing", "uniform"),
-                              case.get("mask_frac", 0.0), hot)
-        sources.append(M.Source(make_x(gen, case["tokens"][s], case["hidden"]), idx, w))
+        gen = generator(seed, case.name, "", "source", s)
+        idx, w = make_routing(gen, case.tokens[s], case.topk, num_experts, case.routing, case.mask_frac, hot,
+                              **LOW_LATENCY_ROUTING)
+        sources.append(M.Source(make_octave_spread_x(gen, case.tokens[s], case.hidden), idx, w))
     return sources
 
 
@@ -133,7 +87,7 @@ def expert_outputs(seed: int, key: Any, regions: List[M.Region], num_max_tokens:
     for reg in regions:
         gen = generator(seed, key, "y", reg.rank)
         rows = reg.row.numel()
-        vals = logfmt_rows(gen, rows, hidden) if logfmt else wide_rows(gen, rows, hidden)
+        vals = logfmt_rows(gen, rows, hidden) if logfmt else wide_random(gen, rows, hidden)
         full = torch.full((reg.experts_per_rank, reg.num_ranks * num_max_tokens, hidden), float("nan"),
                           dtype=torch.bfloat16)
         full[reg.expert, reg.row] = vals
@@ -163,27 +117,24 @@ def drop_some(seed: int, key: Any, rank: int, idx: torch.Tensor) -> torch.Tensor
 # ---------------------------------------------------------------------------------------------------
 # checking
 # ---------------------------------------------------------------------------------------------------
-class Checker:
+class LowLatencyChecker(Mismatches):
+    """The mismatches of one rank over all its steps (the first 60), labelled with where they arose (`at`),
+    and the wait-cost statistics it observed."""
+
     def __init__(self, seed: int, rank: int) -> None:
+        super().__init__(max_errors=60)
         self.seed, self.rank = seed, rank
         self.where = ""
-        self.errors: List[str] = []
         self.wait_checks = 0      # wait-cost stats observed
         self.wait_grew = 0        # ... of which some entry strictly grew
         self.wait_grew_sources: set = set()   # the source ranks whose entry grew in some call
 
-    def at(self, where: str) -> "Checker":
+    def label(self) -> str:
+        return f"[seed={self.seed} rank={self.rank} {self.where}]"
+
+    def at(self, where: str) -> "LowLatencyChecker":
         self.where = where
         return self
-
-    def fail(self, what: str, detail: str) -> None:
-        if len(self.errors) < 60:
-            self.errors.append(f"[seed={self.seed} rank={self.rank} {self.where}] {what}: {detail}")
-
-    def true(self, what: str, cond: Any, detail: str = "") -> bool:
-        if not cond:
-            self.fail(what, detail or "condition is false")
-        return bool(cond)
 
     def meta(self, what: str, t: Any, dtype: torch.dtype, shape: tuple) -> bool:
         if not self.true(f"{what} type", isinstance(t, torch.Tensor), f"expected a tensor, got {type(t).__name__}"):
@@ -191,20 +142,6 @@ class Checker:
         ok = self.true(f"{what} dtype", t.dtype == dtype, f"got {t.dtype}, expected {dtype}")
         ok &= self.true(f"{what} shape", tuple(t.shape) == tuple(shape), f"got {tuple(t.shape)}, expected {shape}")
         return ok
-
-    def equal(self, what: str, got: torch.Tensor, expected: torch.Tensor) -> bool:
-        got = got.detach().cpu()
-        if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
-            self.fail(what, f"{got.dtype}{tuple(got.shape)} vs expected {expected.dtype}{tuple(expected.shape)}")
-            return False
-        a, b = bits(got), bits(expected)
-        if not torch.equal(a, b):
-            diff = (a != b).nonzero()
-            first = tuple(diff[0].tolist())
-            self.fail(what, f"{diff.size(0)} of {a.numel()} elements differ, first at {first}: got "
-                            f"{got[first].item()!r}, expected {expected[first].item()!r}")
-            return False
-        return True
 
     def event(self, what: str, ev: Any, async_finish: bool, kept: Optional[Dict[int, Any]] = None,
               num_kept: int = 0) -> None:
@@ -234,13 +171,18 @@ class Checker:
             self.true(f"{what} hook", hook is None, f"expected hook None without return_recv_hook, got {hook!r}")
 
 
+def selects_an_expert_twice(cidx: torch.Tensor) -> torch.Tensor:
+    """[T] bool: which tokens list one expert in several top-k slots."""
+    return torch.tensor([len(set(v for v in row.tolist() if v >= 0)) < int((row >= 0).sum()) for row in cidx],
+                        dtype=torch.bool)
+
+
 def dup_note(cidx: torch.Tensor, got: torch.Tensor, expected: torch.Tensor) -> str:
     """Diagnosis for a combine mismatch: do the wrong tokens select one expert in several slots?"""
     if got.shape != expected.shape or got.numel() == 0:
         return ""
     bad = (bits(got) != bits(expected)).any(1)
-    dup = torch.tensor([len(set(v for v in row.tolist() if v >= 0)) < int((row >= 0).sum()) for row in cidx],
-                       dtype=torch.bool)
+    dup = selects_an_expert_twice(cidx)
     if not bool(bad.any()):
         return ""
     return (f" [{int(bad.sum())} wrong tokens, {int((bad & dup).sum())} of them select one expert in several slots; "
@@ -260,7 +202,7 @@ def col_major_ok(t: torch.Tensor) -> bool:
     return ok
 
 
-def check_dispatch(chk: Checker, out: tuple, reg: M.Region, sources: List[M.Source], opts: Dict[str, Any],
+def check_dispatch(chk: LowLatencyChecker, out: tuple, reg: M.Region, sources: List[M.Source], opts: RoundOptions,
                    num_max_tokens: int, hidden: int, num_experts: int) -> Optional[tuple]:
     """Check the 5-tuple of low_latency_dispatch (after the hook/event). Returns the handle."""
     r, e_loc = reg.num_ranks, reg.experts_per_rank
@@ -283,31 +225,39 @@ def check_dispatch(chk: Checker, out: tuple, reg: M.Region, sources: List[M.Sour
     chk.equal("layout_range count (low 32 bits)", lr & 0xFFFFFFFF, reg.block_count)
     nonempty = reg.block_count > 0
     chk.equal("layout_range begin (high 32 bits) of non-empty blocks", (lr >> 32)[nonempty], reg.block_begin[nonempty])
-    e_idx, j_idx = reg.expert, reg.row
-    chk.equal("src_info of the valid rows", src_info.cpu()[e_idx, j_idx], reg.src_info)
-    if opts["fp8"]:
-        if not chk.true("FP8 recv_x is a (data, scales) tuple", isinstance(recv_x, tuple) and len(recv_x) == 2,
-                        f"got {type(recv_x).__name__}"):
-            return handle
-        data, scales = recv_x
-        groups = M.ceil_div(hidden, 128)
-        if chk.meta("FP8 data", data, torch.float8_e4m3fn, (e_loc, slots, hidden)):
-            expected = reg.payload_fp8(sources, opts["round_scale"])
-            chk.equal("FP8 data bytes of the valid rows", data.cpu().view(torch.uint8)[e_idx, j_idx], expected.data)
-            if opts["ue8m0"]:
-                if chk.meta("UE8M0 scales", scales, torch.int32, (e_loc, slots, M.ceil_div(groups, 4))):
-                    chk.true("UE8M0 scales column-major in the last two dims", col_major_ok(scales),
-                             f"strides {scales.stride()}")
-                    got = scales.cpu()[e_idx, j_idx].contiguous().view(torch.uint8)[:, :groups]
-                    chk.equal("UE8M0 exponent bytes (byte b of word j = group 4j+b)", got, expected.ue8m0_bytes())
-                    if groups % 4 == 0:
-                        chk.equal("UE8M0 int32 words", scales.cpu()[e_idx, j_idx], expected.ue8m0_words())
-            elif chk.meta("FP8 scales", scales, torch.float32, (e_loc, slots, groups)):
-                chk.true("FP8 scales column-major in the last two dims", col_major_ok(scales), f"strides {scales.stride()}")
-                chk.equal("FP8 scales of the valid rows", scales.cpu()[e_idx, j_idx], expected.scale_inv)
+    chk.equal("src_info of the valid rows", src_info.cpu()[reg.expert, reg.row], reg.src_info)
+    if opts.fp8:
+        check_fp8_payload(chk, recv_x, reg, sources, opts, slots, hidden)
     elif chk.meta("BF16 recv_x", recv_x, torch.bfloat16, (e_loc, slots, hidden)):
-        chk.equal("BF16 rows", recv_x.cpu()[e_idx, j_idx], reg.payload_bf16(sources))
+        chk.equal("BF16 rows", recv_x.cpu()[reg.expert, reg.row], reg.payload_bf16(sources))
     return handle
+
+
+def check_fp8_payload(chk: LowLatencyChecker, recv_x: Any, reg: M.Region, sources: List[M.Source],
+                      opts: RoundOptions, slots: int, hidden: int) -> None:
+    """FP8 recv_x: e4m3 bytes of the valid rows, and their scales (float32, or UE8M0 packed in int32),
+    column-major in the last two dims."""
+    e_loc, e_idx, j_idx = reg.experts_per_rank, reg.expert, reg.row
+    if not chk.true("FP8 recv_x is a (data, scales) tuple", isinstance(recv_x, tuple) and len(recv_x) == 2,
+                    f"got {type(recv_x).__name__}"):
+        return
+    data, scales = recv_x
+    groups = M.ceil_div(hidden, 128)
+    if not chk.meta("FP8 data", data, torch.float8_e4m3fn, (e_loc, slots, hidden)):
+        return
+    expected = reg.payload_fp8(sources, opts.round_scale)
+    chk.equal("FP8 data bytes of the valid rows", data.cpu().view(torch.uint8)[e_idx, j_idx], expected.data)
+    if opts.ue8m0:
+        if chk.meta("UE8M0 scales", scales, torch.int32, (e_loc, slots, M.ceil_div(groups, 4))):
+            chk.true("UE8M0 scales column-major in the last two dims", col_major_ok(scales),
+                     f"strides {scales.stride()}")
+            got = scales.cpu()[e_idx, j_idx].contiguous().view(torch.uint8)[:, :groups]
+            chk.equal("UE8M0 exponent bytes (byte b of word j = group 4j+b)", got, expected.ue8m0_bytes())
+            if groups % 4 == 0:
+                chk.equal("UE8M0 int32 words", scales.cpu()[e_idx, j_idx], expected.ue8m0_words())
+    elif chk.meta("FP8 scales", scales, torch.float32, (e_loc, slots, groups)):
+        chk.true("FP8 scales column-major in the last two dims", col_major_ok(scales), f"strides {scales.stride()}")
+        chk.equal("FP8 scales of the valid rows", scales.cpu()[e_idx, j_idx], expected.scale_inv)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -319,37 +269,34 @@ MODES = ["sync", "async", "hook"]
 COMBINE_KINDS = ["plain", "out", "zero_copy", "logfmt"]
 
 
-def round_options(i: int) -> Dict[str, Any]:
+def round_options(i: int) -> RoundOptions:
     """Round i of a cycle that covers every dispatch kind x mode (12 rounds) with every combine kind x mode."""
-    opts = dict(DISPATCH_KINDS[i % 4])
-    opts["dmode"] = MODES[(i // 4 + i) % 3]
-    opts["ckind"] = COMBINE_KINDS[(i // 3) % 4]
-    opts["cmode"] = MODES[(i + 1) % 3]
-    opts["stats"] = i % 2 == 0
-    opts["drop"] = i % 5 == 3
-    return opts
+    return RoundOptions(**DISPATCH_KINDS[i % 4], dispatch_mode=MODES[(i // 4 + i) % 3],
+                        combine_kind=COMBINE_KINDS[(i // 3) % 4], combine_mode=MODES[(i + 1) % 3],
+                        stats=i % 2 == 0, drop=i % 5 == 3)
 
 
-def ll_dispatch(buf, ctx, src: M.Source, n: int, num_experts: int, opts: Dict[str, Any], cum=None, wait=None):
-    ignored = not opts["fp8"] and ctx.rank % 2 == 1   # (BF16 ignores both flags: ranks may differ in them)
-    out = buf.low_latency_dispatch(src.x.to(ctx.device), src.topk_idx.to(ctx.device), n, num_experts,
-                                   cumulative_local_expert_recv_stats=cum, dispatch_wait_recv_cost_stats=wait,
-                                   use_fp8=opts["fp8"], round_scale=opts["round_scale"] or ignored,
-                                   use_ue8m0=opts["ue8m0"] or ignored,
-                                   async_finish=opts["dmode"] == "async", return_recv_hook=opts["dmode"] == "hook")
-    return out
+def ll_dispatch(buf, ctx, src: M.Source, n: int, num_experts: int, opts: RoundOptions, cum=None, wait=None):
+    ignored = not opts.fp8 and ctx.rank % 2 == 1   # (BF16 ignores both flags: ranks may differ in them)
+    return buf.low_latency_dispatch(src.x.to(ctx.device), src.topk_idx.to(ctx.device), n, num_experts,
+                                    cumulative_local_expert_recv_stats=cum, dispatch_wait_recv_cost_stats=wait,
+                                    use_fp8=opts.fp8, round_scale=opts.round_scale or ignored,
+                                    use_ue8m0=opts.ue8m0 or ignored, async_finish=opts.dispatch_mode == "async",
+                                    return_recv_hook=opts.dispatch_mode == "hook")
 
 
-def finish_dispatch(chk: Checker, out: tuple, opts: Dict[str, Any]) -> None:
+def finish_dispatch(chk: LowLatencyChecker, out: tuple, opts: RoundOptions) -> None:
+    """The dispatch's event and hook for its mode; runs the hook."""
     data = out[0][0] if isinstance(out[0], tuple) else out[0]
-    chk.event("dispatch", out[3], opts["dmode"] == "async", {2: data, 4: out[1], 5: out[2][0], 6: out[2][1]}, 8)
-    chk.hook("dispatch", out[4], opts["dmode"] == "hook")
-    if opts["dmode"] == "hook" and callable(out[4]):
+    chk.event("dispatch", out[3], opts.dispatch_mode == "async", {2: data, 4: out[1], 5: out[2][0], 6: out[2][1]}, 8)
+    chk.hook("dispatch", out[4], opts.dispatch_mode == "hook")
+    if opts.dispatch_mode == "hook" and callable(out[4]):
         out[4]()
 
 
-def check_wait_stats(chk: Checker, what: str, stats: torch.Tensor, before: torch.Tensor, num_ranks: int,
+def check_wait_stats(chk: LowLatencyChecker, what: str, stats: torch.Tensor, before: torch.Tensor, num_ranks: int,
                      masked: Optional[List[int]] = None) -> None:
+    """Wait-cost statistics accumulate (never decrease), and not for masked sources."""
     if not chk.meta(what, stats, torch.int64, (num_ranks,)):
         return
     now = stats.cpu()
@@ -364,103 +311,144 @@ def check_wait_stats(chk: Checker, what: str, stats: torch.Tensor, before: torch
                  f"before {int(before[s])}, after {int(now[s])}")
 
 
-def run_round(chk: Checker, ctx, buf, seed: int, key: Any, sources: List[M.Source], regions: List[M.Region],
-              n: int, num_experts: int, opts: Dict[str, Any], masks: M.Masks = None) -> None:
-    """Dispatch with `opts`, check it; combine, check it."""
-    rank, num_ranks = ctx.rank, ctx.world_size
-    e_loc = num_experts // num_ranks
-    hidden = sources[0].x.shape[1]
-    reg, src = regions[rank], sources[rank]
-    masked_sources = [s for s in range(num_ranks) if not M.delivers(masks, s, rank)]
-    gen = generator(seed, key, "stats", rank)
-    cum = cum0 = wait = wait0 = None
-    if opts["stats"]:
-        cum0 = torch.randint(0, 1000, (e_loc,), generator=gen, dtype=torch.int32)
-        cum = cum0.clone().to(ctx.device)
-        wait0 = torch.randint(0, 10 ** 6, (num_ranks,), generator=gen, dtype=torch.int64)
-        wait = wait0.clone().to(ctx.device)
-    out = ll_dispatch(buf, ctx, src, n, num_experts, opts, cum, wait)
-    finish_dispatch(chk, out, opts)
-    handle = check_dispatch(chk, out, reg, sources, opts, n, hidden, num_experts)
-    if opts["stats"]:
-        if chk.meta("cumulative_local_expert_recv_stats", cum, torch.int32, (e_loc,)):
-            chk.equal("cumulative_local_expert_recv_stats == before + recv_count", cum.cpu(), cum0 + reg.count)
-        check_wait_stats(chk, "dispatch_wait_recv_cost_stats", wait, wait0, num_ranks, masked_sources)
-    if handle is None:
-        handle = out[2]
+@dataclass
+class Round:
+    """One dispatch + combine round on one rank: its inputs, the model's regions and the options."""
+    chk: LowLatencyChecker
+    ctx: Any
+    buf: Any
+    seed: int
+    key: Any                           # keys the round's random combine inputs
+    sources: List[M.Source]
+    regions: List[M.Region]
+    n: int                             # num_max_dispatch_tokens_per_rank
+    num_experts: int
+    opts: RoundOptions
+    masks: M.Masks = None
 
-    # ---- combine --------------------------------------------------------------------------------------
-    ckind, cmode = opts["ckind"], opts["cmode"]
-    logfmt = ckind == "logfmt"
-    ys = expert_outputs(seed, key, regions, n, hidden, logfmt)
-    rows_sel = M.selection_rows(sources, regions)
-    cidx = drop_some(seed, key, rank, src.topk_idx) if opts["drop"] else src.topk_idx
+    def __post_init__(self) -> None:
+        rank, num_ranks = self.ctx.rank, self.ctx.world_size
+        self.e_loc = self.num_experts // num_ranks
+        self.hidden = self.sources[0].x.shape[1]
+        self.reg, self.src = self.regions[rank], self.sources[rank]
+        self.masked_sources = [s for s in range(num_ranks) if not M.delivers(self.masks, s, rank)]
+        self.stats_gen = generator(self.seed, self.key, "stats", rank)
+
+    def random_stats(self, size: int, high: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(statistics before the call on the CPU, the tensor passed to it) where the round passes them."""
+        if not self.opts.stats:
+            return None, None
+        before = torch.randint(0, high, (size,), generator=self.stats_gen, dtype=dtype)
+        return before, before.clone().to(self.ctx.device)
+
+
+def run_round(chk: LowLatencyChecker, ctx, buf, seed: int, key: Any, sources: List[M.Source],
+              regions: List[M.Region], n: int, num_experts: int, opts: RoundOptions, masks: M.Masks = None) -> None:
+    """Dispatch with `opts`, check it; combine, check it."""
+    rnd = Round(chk, ctx, buf, seed, key, sources, regions, n, num_experts, opts, masks)
+    handle = dispatch_and_check(rnd)
+    combine_and_check(rnd, handle)
+
+
+def dispatch_and_check(rnd: Round) -> tuple:
+    """The round's dispatch: outputs, event, hook and statistics; returns the handle for the combine."""
+    chk, num_ranks = rnd.chk, rnd.ctx.world_size
+    cum0, cum = rnd.random_stats(rnd.e_loc, 1000, torch.int32)
+    wait0, wait = rnd.random_stats(num_ranks, 10 ** 6, torch.int64)
+    out = ll_dispatch(rnd.buf, rnd.ctx, rnd.src, rnd.n, rnd.num_experts, rnd.opts, cum, wait)
+    finish_dispatch(chk, out, rnd.opts)
+    handle = check_dispatch(chk, out, rnd.reg, rnd.sources, rnd.opts, rnd.n, rnd.hidden, rnd.num_experts)
+    if rnd.opts.stats:
+        if chk.meta("cumulative_local_expert_recv_stats", cum, torch.int32, (rnd.e_loc,)):
+            chk.equal("cumulative_local_expert_recv_stats == before + recv_count", cum.cpu(), cum0 + rnd.reg.count)
+        check_wait_stats(chk, "dispatch_wait_recv_cost_stats", wait, wait0, num_ranks, rnd.masked_sources)
+    return out[2] if handle is None else handle
+
+
+def fill_zero_copy_buffer(rnd: Round, handle: tuple, x: torch.Tensor) -> None:
+    """get_next_low_latency_combine_buffer's view (its shape and strides checked) filled with `x`."""
+    chk, num_ranks, hidden = rnd.chk, rnd.ctx.world_size, rnd.hidden
+    view = rnd.buf.get_next_low_latency_combine_buffer(handle)
+    if chk.meta("get_next_low_latency_combine_buffer", view, torch.bfloat16, (rnd.e_loc, num_ranks * rnd.n, hidden)):
+        chk.true("combine buffer: last dim contiguous", view.stride(2) == 1, f"strides {view.stride()}")
+        if hidden % 128 == 0:
+            lm = hidden + hidden // 64
+            chk.true("combine buffer strides (R*N*Lm, Lm, 1) with Lm = H + H/64",
+                     view.stride() == (num_ranks * rnd.n * lm, lm, 1), f"strides {view.stride()}, Lm={lm}")
+        view.copy_(x)
+
+
+def combine_and_check(rnd: Round, handle: tuple) -> None:
+    """The round's combine of random expert outputs: its event, hook, out= and statistics, then the result
+    against the model (bitwise, or within LogFMT's bound)."""
+    chk, ctx, opts, rank = rnd.chk, rnd.ctx, rnd.opts, rnd.ctx.rank
+    kind, mode = opts.combine_kind, opts.combine_mode
+    ys = expert_outputs(rnd.seed, rnd.key, rnd.regions, rnd.n, rnd.hidden, kind == "logfmt")
+    cidx = drop_some(rnd.seed, rnd.key, rank, rnd.src.topk_idx) if opts.drop else rnd.src.topk_idx
     x_arg = ys[rank].to(ctx.device)
-    if ckind == "zero_copy":
-        view = buf.get_next_low_latency_combine_buffer(handle)
-        if chk.meta("get_next_low_latency_combine_buffer", view, torch.bfloat16, (e_loc, num_ranks * n, hidden)):
-            chk.true("combine buffer: last dim contiguous", view.stride(2) == 1, f"strides {view.stride()}")
-            if hidden % 128 == 0:
-                lm = hidden + hidden // 64
-                chk.true("combine buffer strides (R*N*Lm, Lm, 1) with Lm = H + H/64",
-                         view.stride() == (num_ranks * n * lm, lm, 1), f"strides {view.stride()}, Lm={lm}")
-            view.copy_(x_arg)
+    if kind == "zero_copy":
+        fill_zero_copy_buffer(rnd, handle, x_arg)
         x_arg = torch.full_like(x_arg, float("nan"))        # zero_copy: x is shape-checked only
-    out_t = torch.full((src.x.shape[0], hidden), float("nan"), dtype=torch.bfloat16, device=ctx.device) \
-        if ckind == "out" else None
-    cwait = cwait0 = None
-    if opts["stats"]:
-        cwait0 = torch.randint(0, 10 ** 6, (num_ranks,), generator=gen, dtype=torch.int64)
-        cwait = cwait0.clone().to(ctx.device)
-    cidx_arg, weights_arg = cidx.to(ctx.device), src.topk_weights.to(ctx.device)
-    res = buf.low_latency_combine(x_arg, cidx_arg, weights_arg, handle,
-                                  use_logfmt=logfmt, zero_copy=ckind == "zero_copy", async_finish=cmode == "async",
-                                  return_recv_hook=cmode == "hook", out=out_t, combine_wait_recv_cost_stats=cwait)
+    num_tokens = rnd.src.x.shape[0]
+    out_t = torch.full((num_tokens, rnd.hidden), float("nan"), dtype=torch.bfloat16, device=ctx.device) \
+        if kind == "out" else None
+    cwait0, cwait = rnd.random_stats(ctx.world_size, 10 ** 6, torch.int64)
+    cidx_arg, weights_arg = cidx.to(ctx.device), rnd.src.topk_weights.to(ctx.device)
+    res = rnd.buf.low_latency_combine(x_arg, cidx_arg, weights_arg, handle, use_logfmt=kind == "logfmt",
+                                      zero_copy=kind == "zero_copy", async_finish=mode == "async",
+                                      return_recv_hook=mode == "hook", out=out_t, combine_wait_recv_cost_stats=cwait)
     if not chk.true("combine returns a 3-tuple", isinstance(res, tuple) and len(res) == 3, f"got {res!r:.200}"):
         return
-    combined, cev, chook = res
-    chk.event("combine", cev, cmode == "async", {1: cidx_arg, 2: weights_arg, 3: handle[0], 4: handle[1],
-                                                 5: combined}, 6)
-    chk.hook("combine", chook, cmode == "hook")
-    if cmode == "hook" and callable(chook):
-        chook()
-    if not chk.meta("combined_x", combined, torch.bfloat16, (src.x.shape[0], hidden)):
+    combined, event, hook = res
+    chk.event("combine", event, mode == "async", {1: cidx_arg, 2: weights_arg, 3: handle[0], 4: handle[1],
+                                                  5: combined}, 6)
+    chk.hook("combine", hook, mode == "hook")
+    if mode == "hook" and callable(hook):
+        hook()
+    if not chk.meta("combined_x", combined, torch.bfloat16, (num_tokens, rnd.hidden)):
         return
     if out_t is not None:
-        chk.true("out= is filled in place and returned", combined.data_ptr() == out_t.data_ptr() or combined.numel() == 0,
-                 "combined_x is not the out tensor")
-    if opts["stats"]:
-        check_wait_stats(chk, "combine_wait_recv_cost_stats", cwait, cwait0, num_ranks, masked_sources)
-    if logfmt:
-        exact, mag, row_mag = M.combine_exact(rank, cidx, src.topk_weights, rows_sel[rank], ys, e_loc, masks)
-        # channels where no summed row was encoded add up exactly as without LogFMT; encoded ones change
-        plain = M.combine(rank, cidx, src.topk_weights, rows_sel[rank], ys, e_loc, masks)
-        touched = torch.zeros(plain.shape, dtype=torch.bool)
-        for _, valid, vals in M._combine_terms(rank, cidx, rows_sel[rank], ys, e_loc, masks):
-            touched |= valid[:, None] & logfmt_encoded(vals)
-        same = combined.cpu().view(torch.int16) == plain.view(torch.int16)
-        chk.true("LogFMT leaves channels without encoded rows exact", bool(same[~touched].all()),
-                 f"{int((~same & ~touched).sum())} such elements differ from the BF16 sum")
-        if int(touched.sum()) > 64:
-            chk.true("LogFMT changes channels with encoded rows", not bool(same[touched].all()),
-                     f"all {int(touched.sum())} are as without LogFMT")
-        got = combined.cpu().double()
-        chk.true("LogFMT combine has no NaN/inf", bool(torch.isfinite(got).all()))
-        err = (got - exact).abs()
-        bound = M.logfmt_bound(exact, mag, row_mag)
-        if not bool((err <= bound).all()):
-            bad = (err > bound).any(1)
-            dup = torch.tensor([len(set(v for v in r.tolist() if v >= 0)) < int((r >= 0).sum()) for r in cidx],
-                               dtype=torch.bool)
-            worst = int(torch.argmax(err - bound))
-            chk.fail("LogFMT combine within tolerance", f"{int((err > bound).sum())} elements out of bound; worst "
-                     f"flat index {worst}: got {got.flatten()[worst].item()}, exact {exact.flatten()[worst].item()}, "
-                     f"bound {bound.flatten()[worst].item()} [{int(bad.sum())} wrong tokens, {int((bad & dup).sum())} "
-                     f"of them select one expert in several slots]")
+        chk.true("out= is filled in place and returned",
+                 combined.data_ptr() == out_t.data_ptr() or combined.numel() == 0, "combined_x is not the out tensor")
+    if opts.stats:
+        check_wait_stats(chk, "combine_wait_recv_cost_stats", cwait, cwait0, ctx.world_size, rnd.masked_sources)
+    rows = M.selection_rows(rnd.sources, rnd.regions)[rank]
+    if kind == "logfmt":
+        check_logfmt_combine(rnd, combined, cidx, rows, ys)
     else:
-        expected = M.combine(rank, cidx, src.topk_weights, rows_sel[rank], ys, e_loc, masks)
+        expected = M.combine(rank, cidx, rnd.src.topk_weights, rows, ys, rnd.e_loc, rnd.masks)
         chk.equal("combined_x (bitwise, fp32 sum over ascending k of w*row)" + dup_note(cidx, combined.cpu(), expected),
                   combined, expected)
+
+
+def check_logfmt_combine(rnd: Round, combined: torch.Tensor, cidx: torch.Tensor, rows: torch.Tensor,
+                         ys: List[torch.Tensor]) -> None:
+    """A LogFMT combine: exact where no summed row was encoded, changed where some were, and within the bound
+    of model_low_latency.logfmt_bound of the exact sum everywhere."""
+    chk, rank, weights, e_loc, masks = rnd.chk, rnd.ctx.rank, rnd.src.topk_weights, rnd.e_loc, rnd.masks
+    exact, mag, row_mag = M.combine_exact(rank, cidx, weights, rows, ys, e_loc, masks)
+    plain = M.combine(rank, cidx, weights, rows, ys, e_loc, masks)
+    touched = torch.zeros(plain.shape, dtype=torch.bool)
+    for _, valid, vals in M._combine_terms(rank, cidx, rows, ys, e_loc, masks):
+        touched |= valid[:, None] & logfmt_encoded(vals)
+    same = combined.cpu().view(torch.int16) == plain.view(torch.int16)
+    chk.true("LogFMT leaves channels without encoded rows exact", bool(same[~touched].all()),
+             f"{int((~same & ~touched).sum())} such elements differ from the BF16 sum")
+    if int(touched.sum()) > 64:
+        chk.true("LogFMT changes channels with encoded rows", not bool(same[touched].all()),
+                 f"all {int(touched.sum())} are as without LogFMT")
+    got = combined.cpu().double()
+    chk.true("LogFMT combine has no NaN/inf", bool(torch.isfinite(got).all()))
+    err = (got - exact).abs()
+    bound = M.logfmt_bound(exact, mag, row_mag)
+    if not bool((err <= bound).all()):
+        bad = (err > bound).any(1)
+        dup = selects_an_expert_twice(cidx)
+        worst = int(torch.argmax(err - bound))
+        chk.fail("LogFMT combine within tolerance", f"{int((err > bound).sum())} elements out of bound; worst "
+                 f"flat index {worst}: got {got.flatten()[worst].item()}, exact {exact.flatten()[worst].item()}, "
+                 f"bound {bound.flatten()[worst].item()} [{int(bad.sum())} wrong tokens, {int((bad & dup).sum())} "
+                 f"of them select one expert in several slots]")
 
 
 def make_buffer(ctx, n: int, hidden: int, num_experts: int, **kwargs):
@@ -475,29 +463,24 @@ def make_buffer(ctx, n: int, hidden: int, num_experts: int, **kwargs):
     return buffer
 
 
-def case_key(case: Dict[str, Any], i: int) -> tuple:
-    return (case["name"], i)
-
-
-def run_case(chk: Checker, ctx, seed: int, case: Dict[str, Any]) -> None:
+def run_case(chk: LowLatencyChecker, ctx, seed: int, case: LowLatencyCase) -> None:
+    """The case's rounds on one Buffer."""
     num_ranks = ctx.world_size
-    num_experts = num_ranks * case["experts_per_rank"]
-    n, hidden = case["N"], case["hidden"]
-    buf = make_buffer(ctx, n, hidden, num_experts)
+    num_experts = num_ranks * case.experts_per_rank
+    n = case.num_max_tokens
+    buf = make_buffer(ctx, n, case.hidden, num_experts)
     sources = make_sources(seed, case, num_ranks)
     regions = [M.dispatch_region(sources, g, num_experts) for g in range(num_ranks)]
-    for i in case["rounds"]:
-        opts = round_options(i)
-        opts.update(case.get("force", {}))
-        chk.at(f"case={case['name']} round={i} opts={opts}")
-        run_round(chk, ctx, buf, seed, case_key(case, i), sources, regions, n, num_experts, opts)
-
+    for i in case.rounds:
+        opts = replace(round_options(i), **case.forced_options)
+        chk.at(f"case={case.name} round={i} opts={opts}")
+        run_round(chk, ctx, buf, seed, (case.name, i), sources, regions, n, num_experts, opts)
 
 # ---------------------------------------------------------------------------------------------------
 # scenarios: micro-batch overlap, misuse, normal/LL switching, shrink masks
 # ---------------------------------------------------------------------------------------------------
 
-def _expect_runtime_error(chk: Checker, what: str, fn) -> None:
+def _expect_runtime_error(chk: LowLatencyChecker, what: str, fn) -> None:
     try:
         fn()
     except RuntimeError:
@@ -508,7 +491,7 @@ def _expect_runtime_error(chk: Checker, what: str, fn) -> None:
     chk.fail(what, "expected RuntimeError, nothing was raised")
 
 
-def run_pipeline(chk: Checker, ctx, seed: int, misuse: bool) -> None:
+def run_pipeline(chk: LowLatencyChecker, ctx, seed: int, misuse: bool) -> None:
     """Two micro-batches A and B with both dispatches and both combines in flight (hooks), as in DeepEP's
     two-micro-batch overlap: dA dB hA cA(zero-copy) hB cB(out=) then the combine hooks. Shared stats tensors
     accumulate over both batches. Without `misuse`, dispatch B (the call and its hook) and combine A's hook run
@@ -519,14 +502,13 @@ def run_pipeline(chk: Checker, ctx, seed: int, misuse: bool) -> None:
     e_loc, n, hidden, topk = 3, 8, 256, 4
     num_experts = e_loc * num_ranks
     buf = make_buffer(ctx, n, hidden, num_experts)
-    case_a = dict(name=f"pipe-A-{misuse}", tokens=[n] * num_ranks, hidden=hidden, topk=topk, experts_per_rank=e_loc,
-                  mask_frac=0.1)
-    case_b = dict(name=f"pipe-B-{misuse}", tokens=[(3 + s) % (n + 1) for s in range(num_ranks)], hidden=hidden,
-                  topk=topk, experts_per_rank=e_loc, routing="dup")
+    case_a = CaseInputs(name=f"pipe-A-{misuse}", tokens=[n] * num_ranks, hidden=hidden, topk=topk,
+                        experts_per_rank=e_loc, mask_frac=0.1)
+    case_b = CaseInputs(name=f"pipe-B-{misuse}", tokens=[(3 + s) % (n + 1) for s in range(num_ranks)],
+                        hidden=hidden, topk=topk, experts_per_rank=e_loc, routing="dup")
     srcs = {k: make_sources(seed, c, num_ranks) for k, c in (("A", case_a), ("B", case_b))}
     regs = {k: [M.dispatch_region(srcs[k], g, num_experts) for g in range(num_ranks)] for k in srcs}
-    opts = {"A": dict(fp8=True, round_scale=False, ue8m0=False, dmode="hook"),
-            "B": dict(fp8=False, round_scale=False, ue8m0=False, dmode="hook")}
+    opts = {"A": RoundOptions(fp8=True, dispatch_mode="hook"), "B": RoundOptions(dispatch_mode="hook")}
     cum = torch.zeros(e_loc, dtype=torch.int32, device=ctx.device)
     wait = torch.zeros(num_ranks, dtype=torch.int64, device=ctx.device)
     call_elsewhere = (lambda fn: fn()) if misuse else run_on_another_thread
@@ -539,7 +521,7 @@ def run_pipeline(chk: Checker, ctx, seed: int, misuse: bool) -> None:
     if misuse:
         _expect_runtime_error(chk, "third LL call (dispatch) while the call two before has an un-run hook",
                               lambda: ll_dispatch(buf, ctx, srcs["A"][rank], n, num_experts,
-                                                  dict(opts["B"], dmode="sync")))
+                                                  replace(opts["B"], dispatch_mode="sync")))
         _expect_runtime_error(chk, "third LL call (combine) while the call two before has an un-run hook",
                               lambda: buf.low_latency_combine(torch.zeros(e_loc, num_ranks * n, hidden,
                                                                           dtype=torch.bfloat16, device=ctx.device),
@@ -578,7 +560,7 @@ def run_pipeline(chk: Checker, ctx, seed: int, misuse: bool) -> None:
         # a third call while cA's hook is pending
         _expect_runtime_error(chk, "third LL call (dispatch) while combine A's hook is pending",
                               lambda: ll_dispatch(buf, ctx, srcs["A"][rank], n, num_experts,
-                                                  dict(opts["B"], dmode="sync")))
+                                                  replace(opts["B"], dispatch_mode="sync")))
     call_elsewhere(ca[2])
     cb[2]()
     if misuse:
@@ -593,11 +575,10 @@ def run_pipeline(chk: Checker, ctx, seed: int, misuse: bool) -> None:
                    srcs["A"], opts["A"], n, hidden, num_experts)
     # the buffer is still usable: one more synchronous round
     run_round(chk.at(f"pipeline misuse={misuse} after"), ctx, buf, seed, ("pipe-after", misuse), srcs["A"], regs["A"],
-              n, num_experts, dict(fp8=False, round_scale=False, ue8m0=False, dmode="sync", ckind="plain",
-                                   cmode="sync", stats=True, drop=False))
+              n, num_experts, RoundOptions(stats=True))
 
 
-def run_switch(chk: Checker, ctx, seed: int) -> None:
+def run_switch(chk: LowLatencyChecker, ctx, seed: int) -> None:
     """One Buffer alternating normal dispatch/combine and LL calls, with clean_low_latency_buffer and a change
     of (N, H, E) in between."""
     from deep_ep import Buffer, Config
@@ -611,8 +592,8 @@ def run_switch(chk: Checker, ctx, seed: int) -> None:
     def normal(tag: str, shape: Dict[str, Any]) -> None:
         chk.at(f"switch normal {tag}")
         num_experts = shape["experts_per_rank"] * num_ranks
-        case = dict(name=f"switch-normal-{tag}", tokens=[5 + 3 * s for s in range(num_ranks)], hidden=shape["hidden"],
-                    topk=2, experts_per_rank=shape["experts_per_rank"], mask_frac=0.2)
+        case = CaseInputs(name=f"switch-normal-{tag}", tokens=[5 + 3 * s for s in range(num_ranks)],
+                          hidden=shape["hidden"], topk=2, experts_per_rank=shape["experts_per_rank"], mask_frac=0.2)
         srcs = make_sources(seed, case, num_ranks)
         src = srcs[rank]
         idx = src.topk_idx.to(ctx.device)
@@ -635,8 +616,8 @@ def run_switch(chk: Checker, ctx, seed: int) -> None:
 
     def ll(tag: str, shape: Dict[str, Any], i: int) -> None:
         num_experts = shape["experts_per_rank"] * num_ranks
-        case = dict(name=f"switch-ll-{tag}", tokens=[shape["N"] - s for s in range(num_ranks)], hidden=shape["hidden"],
-                    topk=3, experts_per_rank=shape["experts_per_rank"], mask_frac=0.1)
+        case = CaseInputs(name=f"switch-ll-{tag}", tokens=[shape["N"] - s for s in range(num_ranks)],
+                          hidden=shape["hidden"], topk=3, experts_per_rank=shape["experts_per_rank"], mask_frac=0.1)
         srcs = make_sources(seed, case, num_ranks)
         regs = [M.dispatch_region(srcs, g, num_experts) for g in range(num_ranks)]
         opts = round_options(i)
@@ -653,29 +634,37 @@ def run_switch(chk: Checker, ctx, seed: int) -> None:
     ll("after-clean-back", shapes[0], 2)
 
 
-def shrink_rounds(chk: Checker, ctx, buf, seed: int, srcs: List[M.Source], n: int, num_experts: int, label: str):
+SHRINK_E_LOC, SHRINK_N, SHRINK_HIDDEN = 2, 8, 256   # experts a rank, N and hidden of the shrink scenarios
+
+
+def shrink_sources(seed: int, name: str, num_ranks: int) -> List[M.Source]:
+    """A shrink scenario's inputs: rank s has N - s tokens, each selecting 3 experts, some entries masked."""
+    case = CaseInputs(name=name, tokens=[SHRINK_N - s for s in range(num_ranks)], hidden=SHRINK_HIDDEN, topk=3,
+                      experts_per_rank=SHRINK_E_LOC, mask_frac=0.1)
+    return make_sources(seed, case, num_ranks)
+
+
+def shrink_rounds(chk: LowLatencyChecker, ctx, buf, seed: int, srcs: List[M.Source], n: int, num_experts: int,
+                  label: str):
     """rounds(tag, masks, ids): dispatch + combine rounds with wait statistics, checked against the model under
     `masks`."""
     def rounds(tag: str, mask_state: M.Masks, ids: List[int]) -> None:
         regs = [M.dispatch_region(srcs, g, num_experts, mask_state) for g in range(ctx.world_size)]
         for i in ids:
-            opts = round_options(i)
-            opts["stats"] = True
+            opts = replace(round_options(i), stats=True)
             chk.at(f"{label} {tag} opts={opts}")
             run_round(chk, ctx, buf, seed, (label, tag, i), srcs, regs, n, num_experts, opts, mask_state)
     return rounds
 
 
-def run_shrink(chk: Checker, ctx, seed: int, masked: List[int]) -> None:
+def run_shrink(chk: LowLatencyChecker, ctx, seed: int, masked: List[int]) -> None:
     """enable_shrink: unmasked ranks mask `masked`; a masked rank masks every rank (it is cut off). Then
     the mask is cleared and full results come back."""
     num_ranks, rank = ctx.world_size, ctx.rank
-    e_loc, n, hidden = 2, 8, 256
+    e_loc, n, hidden = SHRINK_E_LOC, SHRINK_N, SHRINK_HIDDEN
     num_experts = e_loc * num_ranks
     buf = make_buffer(ctx, n, hidden, num_experts, enable_shrink=True)
-    case = dict(name=f"shrink-{masked}", tokens=[n - s for s in range(num_ranks)], hidden=hidden, topk=3,
-                experts_per_rank=e_loc, mask_frac=0.1)
-    srcs = make_sources(seed, case, num_ranks)
+    srcs = shrink_sources(seed, f"shrink-{masked}", num_ranks)
     masks = [[1] * num_ranks if r in masked else [int(g in masked) for g in range(num_ranks)]
              for r in range(num_ranks)]
 
@@ -722,7 +711,7 @@ def run_shrink(chk: Checker, ctx, seed: int, masked: List[int]) -> None:
     rounds("zeroed", None, [7, 8])
 
 
-def run_shrink_masks_change(chk: Checker, ctx, seed: int) -> None:
+def run_shrink_masks_change(chk: LowLatencyChecker, ctx, seed: int) -> None:
     """Masks that change over time: the others mask the last rank and clean without it (it sits that out),
     then everyone clears the masks and cleans together, then the others mask rank 1 (which masks everyone)
     and go on without it while it makes no call, then everyone clears the masks and cleans again: the
@@ -730,13 +719,11 @@ def run_shrink_masks_change(chk: Checker, ctx, seed: int) -> None:
     num_ranks, rank = ctx.world_size, ctx.rank
     if num_ranks < 3:
         return
-    e_loc, n, hidden = 2, 8, 256
+    e_loc, n, hidden = SHRINK_E_LOC, SHRINK_N, SHRINK_HIDDEN
     num_experts = e_loc * num_ranks
     buf = make_buffer(ctx, n, hidden, num_experts, enable_shrink=True, explicitly_destroy=True)
-    case = dict(name="shrink-masks-change", tokens=[n - s for s in range(num_ranks)], hidden=hidden, topk=3,
-                experts_per_rank=e_loc, mask_frac=0.1)
-    rounds = shrink_rounds(chk, ctx, buf, seed, make_sources(seed, case, num_ranks), n, num_experts,
-                           "shrink, masks change,")
+    rounds = shrink_rounds(chk, ctx, buf, seed, shrink_sources(seed, "shrink-masks-change", num_ranks), n,
+                           num_experts, "shrink, masks change,")
 
     def without(gone: int) -> M.Masks:
         return [[1] * num_ranks if r == gone else [int(g == gone) for g in range(num_ranks)] for r in range(num_ranks)]
@@ -760,17 +747,15 @@ def run_shrink_masks_change(chk: Checker, ctx, seed: int) -> None:
     buf.destroy()
 
 
-def run_shrink_absent(chk: Checker, ctx, seed: int) -> None:
+def run_shrink_absent(chk: LowLatencyChecker, ctx, seed: int) -> None:
     """enable_shrink with a rank that fails for good: after one full round the last rank stops calling; the
     others mask it and go on (dispatch, combine, clean_low_latency_buffer, destroy) without waiting for it."""
     num_ranks, rank = ctx.world_size, ctx.rank
     absent = num_ranks - 1
-    e_loc, n, hidden = 2, 8, 256
+    e_loc, n, hidden = SHRINK_E_LOC, SHRINK_N, SHRINK_HIDDEN
     num_experts = e_loc * num_ranks
     buf = make_buffer(ctx, n, hidden, num_experts, enable_shrink=True, explicitly_destroy=True)
-    case = dict(name="shrink-absent", tokens=[n - s for s in range(num_ranks)], hidden=hidden, topk=3,
-                experts_per_rank=e_loc, mask_frac=0.1)
-    srcs = make_sources(seed, case, num_ranks)
+    srcs = shrink_sources(seed, "shrink-absent", num_ranks)
 
     rounds = shrink_rounds(chk, ctx, buf, seed, srcs, n, num_experts, f"shrink, rank {absent} absent,")
 
@@ -798,14 +783,12 @@ def run_shrink_automatic(ctx, seed: int, timeout_s: float) -> List[str]:
 
 
 def _shrink_automatic(ctx, seed: int, timeout_s: float, caught: List[warnings.WarningMessage]) -> List[str]:
-    chk = Checker(seed, ctx.rank)
+    chk = LowLatencyChecker(seed, ctx.rank)
     num_ranks, rank = ctx.world_size, ctx.rank
-    e_loc, n, hidden = 2, 8, 256
+    e_loc, n, hidden = SHRINK_E_LOC, SHRINK_N, SHRINK_HIDDEN
     num_experts = e_loc * num_ranks
     buf = make_buffer(ctx, n, hidden, num_experts, enable_shrink=True, explicitly_destroy=True, timeout_s=timeout_s)
-    case = dict(name="shrink-automatic", tokens=[n - s for s in range(num_ranks)], hidden=hidden, topk=3,
-                experts_per_rank=e_loc, mask_frac=0.1)
-    srcs = make_sources(seed, case, num_ranks)
+    srcs = shrink_sources(seed, "shrink-automatic", num_ranks)
 
     def masks_of(gone: List[int]) -> M.Masks:
         return [[int(g in gone) for g in range(num_ranks)] for _ in range(num_ranks)]
@@ -889,51 +872,53 @@ def _shrink_automatic(ctx, seed: int, timeout_s: float, caught: List[warnings.Wa
 ALL_ROUNDS = list(range(12))
 
 
-def cases_for(num_ranks: int) -> List[Dict[str, Any]]:
+def cases_for(num_ranks: int) -> List[LowLatencyCase]:
     if num_ranks == 2:
         return [
-            dict(name="basic", tokens=[16, 5], N=16, hidden=256, topk=4, experts_per_rank=4, mask_frac=0.1,
-                 rounds=ALL_ROUNDS),
-            dict(name="tokens-0-1-h384", tokens=[0, 1], N=4, hidden=384, topk=3, experts_per_rank=2,
-                 rounds=[0, 1, 2, 3, 7]),
-            dict(name="topk32-dup", tokens=[12, 7], N=12, hidden=128, topk=32, experts_per_rank=16, routing="dup",
-                 mask_frac=0.2, rounds=[0, 3, 6, 9]),
-            dict(name="experts-per-rank-1024", tokens=[4, 3], N=4, hidden=128, topk=8, experts_per_rank=1024,
-                 rounds=[0, 5]),
-            dict(name="h2880", tokens=[8, 3], N=8, hidden=2880, topk=2, experts_per_rank=2, rounds=[0, 4, 3, 11]),
+            LowLatencyCase(name="basic", tokens=[16, 5], num_max_tokens=16, hidden=256, topk=4, experts_per_rank=4,
+                           mask_frac=0.1, rounds=ALL_ROUNDS),
+            LowLatencyCase(name="tokens-0-1-h384", tokens=[0, 1], num_max_tokens=4, hidden=384, topk=3,
+                           experts_per_rank=2, rounds=[0, 1, 2, 3, 7]),
+            LowLatencyCase(name="topk32-dup", tokens=[12, 7], num_max_tokens=12, hidden=128, topk=32,
+                           experts_per_rank=16, routing="dup", mask_frac=0.2, rounds=[0, 3, 6, 9]),
+            LowLatencyCase(name="experts-per-rank-1024", tokens=[4, 3], num_max_tokens=4, hidden=128, topk=8,
+                           experts_per_rank=1024, rounds=[0, 5]),
+            LowLatencyCase(name="h2880", tokens=[8, 3], num_max_tokens=8, hidden=2880, topk=2, experts_per_rank=2,
+                           rounds=[0, 4, 3, 11]),
         ]
     if num_ranks == 3:
         return [
-            dict(name="uneven-zero-skewed", tokens=[20, 0, 9], N=20, hidden=512, topk=6, experts_per_rank=3,
-                 routing="skewed", mask_frac=0.1, rounds=ALL_ROUNDS),
-            dict(name="h384-dup", tokens=[1, 8, 8], N=8, hidden=384, topk=5, experts_per_rank=4, routing="dup",
-                 rounds=[1, 2, 3, 10]),
-            dict(name="h200-short-group", tokens=[3, 4, 2], N=4, hidden=200, topk=2, experts_per_rank=2,
-                 rounds=[0, 1, 3, 8]),
+            LowLatencyCase(name="uneven-zero-skewed", tokens=[20, 0, 9], num_max_tokens=20, hidden=512, topk=6,
+                           experts_per_rank=3, routing="skewed", mask_frac=0.1, rounds=ALL_ROUNDS),
+            LowLatencyCase(name="h384-dup", tokens=[1, 8, 8], num_max_tokens=8, hidden=384, topk=5,
+                           experts_per_rank=4, routing="dup", rounds=[1, 2, 3, 10]),
+            LowLatencyCase(name="h200-short-group", tokens=[3, 4, 2], num_max_tokens=4, hidden=200, topk=2,
+                           experts_per_rank=2, rounds=[0, 1, 3, 8]),
         ]
     if num_ranks > 4:   # more ranks than GPUs are lent: zero-token ranks, skewed routing, top-k above the rank count
         return [
-            dict(name=f"{num_ranks}r-uneven-skewed", tokens=[(17 * r) % 24 for r in range(num_ranks)], N=24, hidden=256,
-                 topk=num_ranks + 1, experts_per_rank=3, routing="skewed", mask_frac=0.1, rounds=[0, 1, 2, 3, 5, 9]),
-            dict(name=f"{num_ranks}r-one-token-dup", tokens=[1] * num_ranks, N=2, hidden=384, topk=2,
-                 experts_per_rank=2, routing="dup", rounds=[4, 7]),
+            LowLatencyCase(name=f"{num_ranks}r-uneven-skewed", tokens=[(17 * r) % 24 for r in range(num_ranks)],
+                           num_max_tokens=24, hidden=256, topk=num_ranks + 1, experts_per_rank=3, routing="skewed",
+                           mask_frac=0.1, rounds=[0, 1, 2, 3, 5, 9]),
+            LowLatencyCase(name=f"{num_ranks}r-one-token-dup", tokens=[1] * num_ranks, num_max_tokens=2, hidden=384,
+                           topk=2, experts_per_rank=2, routing="dup", rounds=[4, 7]),
         ]
     return [
-        dict(name="skewed", tokens=[32, 17, 0, 32], N=32, hidden=256, topk=8, experts_per_rank=4, routing="skewed",
-             mask_frac=0.1, rounds=ALL_ROUNDS),
-        dict(name="first-half-ranks-2-3-receive-nothing", tokens=[20, 7, 0, 13], N=20, hidden=256, topk=4,
-             experts_per_rank=4, routing="first_half", rounds=[0, 3, 6, 9]),
-        dict(name="full-N64", tokens=[64, 64, 64, 1], N=64, hidden=128, topk=4, experts_per_rank=8,
-             rounds=[1, 6, 8]),
-        dict(name="mostly-minus-one", tokens=[9, 12, 1, 5], N=12, hidden=256, topk=9, experts_per_rank=5,
-             routing="dup", mask_frac=0.6, rounds=[0, 3, 9]),
+        LowLatencyCase(name="skewed", tokens=[32, 17, 0, 32], num_max_tokens=32, hidden=256, topk=8,
+                       experts_per_rank=4, routing="skewed", mask_frac=0.1, rounds=ALL_ROUNDS),
+        LowLatencyCase(name="first-half-ranks-2-3-receive-nothing", tokens=[20, 7, 0, 13], num_max_tokens=20,
+                       hidden=256, topk=4, experts_per_rank=4, routing="first_half", rounds=[0, 3, 6, 9]),
+        LowLatencyCase(name="full-N64", tokens=[64, 64, 64, 1], num_max_tokens=64, hidden=128, topk=4,
+                       experts_per_rank=8, rounds=[1, 6, 8]),
+        LowLatencyCase(name="mostly-minus-one", tokens=[9, 12, 1, 5], num_max_tokens=12, hidden=256, topk=9,
+                       experts_per_rank=5, routing="dup", mask_frac=0.6, rounds=[0, 3, 9]),
     ]
 
 
 def run_all(ctx, seed: int, names: List[str]) -> List[str]:
-    chk = Checker(seed, ctx.rank)
+    chk = LowLatencyChecker(seed, ctx.rank)
     torch.manual_seed(seed + ctx.rank)
-    steps = [(f"case {c['name']}", lambda c=c: run_case(chk, ctx, seed, c)) for c in cases_for(ctx.world_size)]
+    steps = [(f"case {c.name}", lambda c=c: run_case(chk, ctx, seed, c)) for c in cases_for(ctx.world_size)]
     steps += [("pipeline", lambda: run_pipeline(chk, ctx, seed, False)),
               ("misuse", lambda: run_pipeline(chk, ctx, seed, True)),
               ("switch", lambda: run_switch(chk, ctx, seed)),
@@ -1010,9 +995,7 @@ def test_low_latency(pool, world_size):
     seed = base_seed()
     print(f"test_low_latency world_size={world_size} seed={seed} (replay: DEEP_EP_TEST_SEED={seed})")
     names = [s for s in os.environ.get("DEEP_EP_LL_STEPS", "").split(",") if s]
-    results = pool(world_size).run(run_all, seed, names)
-    errors = [e for per_rank in results for e in per_rank]
-    assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
+    report_mismatches(seed, lambda: pool(world_size).run(run_all, seed, names))
 
 
 def run_too_many_rows(ctx, seed: int) -> List[str]:
@@ -1039,8 +1022,8 @@ def run_too_many_rows(ctx, seed: int) -> List[str]:
 
 
 def test_low_latency_too_many_rows_for_an_expert_is_an_error(pool):
-    problems = [p for per_rank in pool(2).run(run_too_many_rows, base_seed()) for p in per_rank]
-    assert not problems, problems
+    seed = base_seed()
+    report_mismatches(seed, lambda: pool(2).run(run_too_many_rows, seed))
 
 
 def _small_inputs(ctx, seed: int, what: str, num_tokens: int, hidden: int, num_experts: int, topk: int):
@@ -1091,8 +1074,7 @@ def run_inference_mode(ctx, seed: int) -> List[str]:
 
 def test_low_latency_buffer_and_hooks_across_inference_mode(pool):
     seed = base_seed()
-    problems = [p for per_rank in pool(2).run(run_inference_mode, seed) for p in per_rank]
-    assert not problems, f"seed={seed}: {problems}"
+    report_mismatches(seed, lambda: pool(2).run(run_inference_mode, seed))
 
 
 def run_no_autograd_history(ctx, seed: int) -> List[str]:
@@ -1141,17 +1123,14 @@ def run_no_autograd_history(ctx, seed: int) -> List[str]:
 
 def test_outputs_carry_no_autograd_history(pool):
     seed = base_seed()
-    problems = [p for per_rank in pool(2).run(run_no_autograd_history, seed) for p in per_rank]
-    assert not problems, f"seed={seed}: {problems}"
+    report_mismatches(seed, lambda: pool(2).run(run_no_autograd_history, seed))
 
 
 def test_low_latency_shrink_masks_ranks_that_stop_calling(pool):
     seed = base_seed()
     print(f"seed={seed} (replay: DEEP_EP_TEST_SEED={seed})")
     timeout_s = float(os.environ.get("DEEP_EP_TEST_SHRINK_TIMEOUT_S", "5"))
-    results = pool(5).run(run_shrink_automatic, seed, timeout_s)
-    errors = [e for per_rank in results for e in per_rank]
-    assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
+    report_mismatches(seed, lambda: pool(5).run(run_shrink_automatic, seed, timeout_s))
 
 
 @pytest.mark.nvlink_kernels
@@ -1159,20 +1138,18 @@ def test_nvlink_masking_is_reported_as_a_warning_at_the_callers_line():
     """The NVLink kernels record a rank they masked in shrink mode in the pinned status words (4 + rank: what
     they waited for); the next low-latency call's check turns each into one warning, attributed to the
     caller's code, and clears it."""
-    import numpy as np
     from types import SimpleNamespace
-    from deep_ep.transport.nvlink import NVLinkTransport
-    words = np.array([0, 0, 0, 0, 0, 4, 0, 5], dtype=np.int32)
-    transport = SimpleNamespace(low_latency=SimpleNamespace(auto_mask=True), _status_words=words,
-                                topology=SimpleNamespace(rank=2), timeout_ns=3 * 10 ** 9, _check_status=lambda: None)
+    from deep_ep.transport.nvlink.status import MASKS, StatusWords
+    status = StatusWords(SimpleNamespace(rank=2, size=4), 3 * 10 ** 9)
+    status.tensor[MASKS + 1], status.tensor[MASKS + 3] = 4, 5   # what ranks 1 and 3 were waited for
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        NVLinkTransport.check_low_latency_errors(transport)
+        status.report_low_latency(warn_masked=True)
     assert [str(w.message) for w in caught] == [
         "deep_ep: rank 2 masked rank 1 after waiting more than 3 s for its low-latency dispatch rows (enable_shrink)",
         "deep_ep: rank 2 masked rank 3 after waiting more than 3 s for its low-latency combine rows (enable_shrink)"]
     assert all(w.filename == __file__ for w in caught), [w.filename for w in caught]
-    assert not words.any()
+    assert not status.tensor.any()
 
 
 def _nvlink_low_latency(num_ranks: int, num_sms: int = 1, auto_mask: bool = False):
@@ -1226,23 +1203,17 @@ def test_nvlink_low_latency_chains_launches_where_asked_and_supported(monkeypatc
 def test_low_latency_in_deterministic_mode(pool):
     """The 2-rank cases and the pipeline with torch's deterministic algorithms on and new tensors filled with
     NaN / the largest integer (the transport may rely on no value of memory it did not write)."""
-    from dist_utils import run_deterministic
     seed = base_seed()
-    names = [f"case {c['name']}" for c in cases_for(2)] + ["pipeline"]
-    results = pool(2).run(run_deterministic, run_all, seed, names)
-    errors = [e for per_rank in results for e in per_rank]
-    assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
+    names = [f"case {c.name}" for c in cases_for(2)] + ["pipeline"]
+    report_mismatches(seed, lambda: pool(2).run(run_deterministic, run_all, seed, names))
 
 
 def test_low_latency_under_a_default_device_and_dtype(pool):
     """The 2-rank cases and the pipeline with every Buffer call (and receive hook) made under a default device
     (meta) and dtype (bfloat16) that the library must not use (dist_utils.run_under_defaults)."""
-    from dist_utils import run_under_defaults
     seed = base_seed()
-    names = [f"case {c['name']}" for c in cases_for(2)] + ["pipeline", "shrink"]
-    results = pool(2).run(run_under_defaults, run_all, seed, names)
-    errors = [e for per_rank in results for e in per_rank]
-    assert not errors, f"seed={seed}: {len(errors)} mismatches\n" + "\n".join(errors[:40])
+    names = [f"case {c.name}" for c in cases_for(2)] + ["pipeline", "shrink"]
+    report_mismatches(seed, lambda: pool(2).run(run_under_defaults, run_all, seed, names))
 
 
 def test_model_e4m3_encoder_matches_torch_cast():

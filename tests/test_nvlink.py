@@ -6,14 +6,18 @@ rest of the suite runs on the NVLink transport too ("auto" picks it); these test
 the reference transport at large shapes, small buffers (rows stream through the rings in many rounds),
 8 ranks, CUDA-graph capture, a long stress run and the NVLink-specific errors.
 """
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import replace
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
 
+from cases import CASES_4, ReferenceShape, random_normal_cases
+from compare import assert_no_wrong_tokens, record_difference, report_mismatches
 from dist_utils import run_script
-from randomness import base_seed, bits, generator
-from test_normal import CASES_4, _report, make_routing, make_x, random_cases, run_cases, to_device, wide_random
+from inputs import make_routing, make_x, to_device, wide_random
+from normal_mode import run_cases
+from randomness import base_seed, generator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.nvlink_kernels]
 
@@ -21,36 +25,23 @@ pytestmark = [pytest.mark.gpu, pytest.mark.nvlink_kernels]
 # ---------------------------------------------------------------------------------------------------
 # NVLink against the reference transport, same inputs, same group
 # ---------------------------------------------------------------------------------------------------
-def _same(errors: List[str], what: str, got, expected, rows: Optional[int] = None) -> None:
-    if got is None or expected is None:
-        if (got is None) != (expected is None):
-            errors.append(f"{what}: one side is None")
-        return
-    if rows is not None:
-        got, expected = got[:rows], expected[:rows]
-    if got.shape != expected.shape or got.dtype != expected.dtype:
-        errors.append(f"{what}: {tuple(got.shape)} {got.dtype} vs reference {tuple(expected.shape)} {expected.dtype}")
-    elif not torch.equal(bits(got), bits(expected)):
-        diff = (bits(got) != bits(expected)).nonzero()
-        errors.append(f"{what}: differs from the reference at {diff.shape[0]} places, first {diff[0].tolist()}")
-
-
-def _inputs(seed: int, shape: Dict[str, Any], rank: int, device):
-    gen = generator(seed, shape["name"], rank)
-    num_tokens, num_experts = shape["tokens"][rank], shape["experts"]
-    idx, weights = make_routing(gen, num_tokens, shape["topk"], num_experts, shape.get("routing", "uniform"),
-                                shape.get("mask_frac", 0.0), int(generator(seed, shape["name"]).initial_seed() % num_experts))
-    x = make_x(gen, num_tokens, shape["hidden"], "bf16")
-    x_fp8 = make_x(gen, num_tokens, shape["hidden"], "fp8_col")
-    bias = torch.randn(num_tokens, shape["hidden"], generator=gen).to(torch.bfloat16)
+def _inputs(seed: int, shape: ReferenceShape, rank: int, device):
+    """This rank's (BF16 x, FP8 x, top-k ids, top-k weights, bias) of `shape`, on `device`."""
+    gen = generator(seed, shape.name, rank)
+    num_tokens, num_experts = shape.tokens[rank], shape.experts
+    hot_expert = int(generator(seed, shape.name).initial_seed() % num_experts)
+    idx, weights = make_routing(gen, num_tokens, shape.topk, num_experts, shape.routing, shape.mask_frac, hot_expert)
+    x = make_x(gen, num_tokens, shape.hidden, "bf16")
+    x_fp8 = make_x(gen, num_tokens, shape.hidden, "fp8_col")
+    bias = torch.randn(num_tokens, shape.hidden, generator=gen).to(torch.bfloat16)
     move = lambda t: t.to(device)  # noqa: E731
     return move(x), tuple(map(move, x_fp8)), move(idx), move(weights), move(bias)
 
 
-def _fresh(seed: int, shape: Dict[str, Any], rank: int, what: str, *size: int, device, kind: str = "wide"):
+def _fresh(seed: int, shape: ReferenceShape, rank: int, what: str, *size: int, device, kind: str = "wide"):
     """Inputs drawn after the dispatch (the same on both transports): `wide` rows whose fp32 sums show the
     summation order, `weights`, or x of a make_x kind."""
-    gen = generator(seed, shape["name"], rank, what)
+    gen = generator(seed, shape.name, rank, what)
     if kind == "wide":
         return wide_random(gen, *size).to(device)
     if kind == "weights":
@@ -58,7 +49,7 @@ def _fresh(seed: int, shape: Dict[str, Any], rank: int, what: str, *size: int, d
     return to_device(make_x(gen, size[0], size[1], kind), device)
 
 
-def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]], num_nvl_bytes: Optional[int] = None) -> List[str]:
+def run_compare(ctx, seed: int, shapes: List[ReferenceShape], num_nvl_bytes: Optional[int] = None) -> List[str]:
     """Every normal-mode operation on the NVLink transport and on the reference transport: bitwise equal.
     Cached dispatches send new data (BF16, and FP8 with int32 scales); combines get new rows and weights
     (wide values, so that the fp32 summation order shows) and two biases, also through a num_worst_tokens
@@ -67,29 +58,29 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]], num_nvl_bytes: Opt
     from deep_ep import Buffer, Config
     errors: List[str] = []
     for shape in shapes:
-        config = Config(shape["num_sms"], 4, shape.get("ring_tokens", 256))
-        nvl = num_nvl_bytes or config.get_nvl_buffer_size_hint(shape["hidden"] * 2, ctx.world_size)
+        config = Config(shape.num_sms, 4, shape.ring_tokens)
+        nvl = num_nvl_bytes or config.get_nvl_buffer_size_hint(shape.hidden * 2, ctx.world_size)
         fast = Buffer(ctx.group, nvl, 0, transport="nvlink", explicitly_destroy=True, timeout_s=60)
         ref = Buffer(ctx.group, nvl, 0, transport="reference", explicitly_destroy=True, timeout_s=60)
         x, x_fp8, idx, weights, bias = _inputs(seed, shape, ctx.rank, ctx.device)
-        rank, hidden, topk = ctx.rank, shape["hidden"], shape["topk"]
+        rank, hidden, topk = ctx.rank, shape.hidden, shape.topk
         num_tokens = x.shape[0]
         fresh = lambda what, *size, kind="wide": _fresh(seed, shape, rank, what, *size,  # noqa: E731
                                                         device=ctx.device, kind=kind)
         new_x, new_fp8 = fresh("cached x", num_tokens, hidden, kind="bf16"), fresh("cached fp8", num_tokens, hidden,
                                                                                    kind="fp8_i32_col")
         biases = (bias, fresh("bias 1", num_tokens, hidden))
-        name = f"rank {rank} {shape['name']}"
-        layouts = [b.get_dispatch_layout(idx, shape["experts"])[:4] for b in (fast, ref)]
+        name = f"rank {rank} {shape.name}"
+        layouts = [b.get_dispatch_layout(idx, shape.experts)[:4] for b in (fast, ref)]
         for i, field in enumerate(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
                                    "is_token_in_rank")):
-            _same(errors, f"{name} layout {field}", layouts[0][i], layouts[1][i])
+            record_difference(errors, f"{name} layout {field}", layouts[0][i], layouts[1][i])
         per_rank, _, per_expert, in_rank = layouts[1]
-        with_topk = shape.get("with_topk", True)
+        with_topk = shape.with_topk
         kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                       topk_idx=idx if with_topk else None, topk_weights=weights if with_topk else None, config=config,
-                      expert_alignment=shape.get("alignment", 1))
-        worst_rows = sum(shape["tokens"]) + 3
+                      expert_alignment=shape.alignment)
+        worst_rows = sum(shape.tokens) + 3
         outs = {}
         for label, b in (("fast", fast), ("ref", ref)):
             bf16 = b.dispatch(x, **kwargs)
@@ -123,80 +114,81 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]], num_nvl_bytes: Opt
             g, e = got[what], exp[what]
             data, rdata = g[0], e[0]
             if isinstance(data, tuple):
-                _same(errors, f"{name} {what} recv_x", data[0], rdata[0])
-                _same(errors, f"{name} {what} recv_scales", data[1], rdata[1])
+                record_difference(errors, f"{name} {what} recv_x", data[0], rdata[0])
+                record_difference(errors, f"{name} {what} recv_scales", data[1], rdata[1])
             else:
-                _same(errors, f"{name} {what} recv_x", data, rdata)
-            _same(errors, f"{name} {what} recv_topk_idx", g[1], e[1])
-            _same(errors, f"{name} {what} recv_topk_weights", g[2], e[2])
+                record_difference(errors, f"{name} {what} recv_x", data, rdata)
+            record_difference(errors, f"{name} {what} recv_topk_idx", g[1], e[1])
+            record_difference(errors, f"{name} {what} recv_topk_weights", g[2], e[2])
             if g[3] != e[3]:
                 errors.append(f"{name} {what} num_recv_tokens_per_expert_list {g[3]} vs {e[3]}")
             for i in range(6):
-                _same(errors, f"{name} {what} handle[{i}]", g[4][i], e[4][i])
-        _same(errors, f"{name} cached recv_x", got["cached"][0], exp["cached"][0])
-        _same(errors, f"{name} cached fp8 recv_x", got["cached_fp8"][0][0], exp["cached_fp8"][0][0])
-        _same(errors, f"{name} cached fp8 recv_scales", got["cached_fp8"][0][1], exp["cached_fp8"][0][1])
+                record_difference(errors, f"{name} {what} handle[{i}]", g[4][i], e[4][i])
+        record_difference(errors, f"{name} cached recv_x", got["cached"][0], exp["cached"][0])
+        record_difference(errors, f"{name} cached fp8 recv_x", got["cached_fp8"][0][0], exp["cached_fp8"][0][0])
+        record_difference(errors, f"{name} cached fp8 recv_scales", got["cached_fp8"][0][1], exp["cached_fp8"][0][1])
         for what in ("combined", "again", "worst combined"):
-            _same(errors, f"{name} {what} x", got[what][0], exp[what][0])
-            _same(errors, f"{name} {what} weights", got[what][1], exp[what][1])
+            record_difference(errors, f"{name} {what} x", got[what][0], exp[what][0])
+            record_difference(errors, f"{name} {what} weights", got[what][1], exp[what][1])
         worst, rworst = got["worst"], exp["worst"]
-        _same(errors, f"{name} worst recv_x", worst[0][0], rworst[0][0], rows=num_recv)
-        _same(errors, f"{name} worst recv_scales", worst[0][1], rworst[0][1], rows=num_recv)
-        _same(errors, f"{name} worst recv_topk_idx", worst[1], rworst[1])
-        _same(errors, f"{name} worst recv_topk_weights", worst[2], rworst[2])
-        _same(errors, f"{name} worst recv_src_idx", worst[4][3], rworst[4][3])
+        record_difference(errors, f"{name} worst recv_x", worst[0][0], rworst[0][0], rows=num_recv)
+        record_difference(errors, f"{name} worst recv_scales", worst[0][1], rworst[0][1], rows=num_recv)
+        record_difference(errors, f"{name} worst recv_topk_idx", worst[1], rworst[1])
+        record_difference(errors, f"{name} worst recv_topk_weights", worst[2], rworst[2])
+        record_difference(errors, f"{name} worst recv_src_idx", worst[4][3], rworst[4][3])
         fast.destroy()
         ref.destroy()
     return errors
 
 
 SWEEP = [  # hidden 1024..8192, tokens 0/1/4096/8192 (uneven), top-k 1/8/32, 1024 experts a rank, no top-k
-    dict(name="deepseek-bf16-h7168-top8-rank1-empty", tokens=[4096, 0], hidden=7168, topk=8, experts=256, num_sms=24),
-    dict(name="h2880-top32-one-token", tokens=[1, 4096], hidden=2880, topk=32, experts=64, num_sms=24,
-         mask_frac=0.2),
-    dict(name="h4096-top1-8192-tokens", tokens=[8192, 8192], hidden=4096, topk=1, experts=16, num_sms=16),
-    dict(name="h1024-top8-tiny", tokens=[0, 1], hidden=1024, topk=8, experts=32, num_sms=8),
-    dict(name="h8192-skewed-align128", tokens=[4096, 3000], hidden=8192, topk=8, experts=64, num_sms=24,
-         routing="skewed", alignment=128),
-    dict(name="h1024-top32-masked-8192", tokens=[8192, 17], hidden=1024, topk=32, experts=128, num_sms=20,
-         mask_frac=0.3),
-    dict(name="h1024-1024-experts-per-rank", tokens=[600, 1500], hidden=1024, topk=8, experts=2048, num_sms=12,
-         mask_frac=0.1),
-    dict(name="h2048-no-topk-skewed", tokens=[900, 0], hidden=2048, topk=6, experts=64, num_sms=10, routing="skewed",
-         with_topk=False),
+    ReferenceShape(name="deepseek-bf16-h7168-top8-rank1-empty", tokens=[4096, 0], hidden=7168, topk=8, experts=256,
+                   num_sms=24),
+    ReferenceShape(name="h2880-top32-one-token", tokens=[1, 4096], hidden=2880, topk=32, experts=64, num_sms=24,
+                   mask_frac=0.2),
+    ReferenceShape(name="h4096-top1-8192-tokens", tokens=[8192, 8192], hidden=4096, topk=1, experts=16, num_sms=16),
+    ReferenceShape(name="h1024-top8-tiny", tokens=[0, 1], hidden=1024, topk=8, experts=32, num_sms=8),
+    ReferenceShape(name="h8192-skewed-align128", tokens=[4096, 3000], hidden=8192, topk=8, experts=64, num_sms=24,
+                   routing="skewed", alignment=128),
+    ReferenceShape(name="h1024-top32-masked-8192", tokens=[8192, 17], hidden=1024, topk=32, experts=128, num_sms=20,
+                   mask_frac=0.3),
+    ReferenceShape(name="h1024-1024-experts-per-rank", tokens=[600, 1500], hidden=1024, topk=8, experts=2048,
+                   num_sms=12, mask_frac=0.1),
+    ReferenceShape(name="h2048-no-topk-skewed", tokens=[900, 0], hidden=2048, topk=6, experts=64, num_sms=10,
+                   routing="skewed", with_topk=False),
 ]
 
 # Rings of a few rows: every (source, channel) streams in many rounds of flow control.
 SMALL_RINGS = [
-    dict(name="small-rings-bf16", tokens=[700, 513, 300, 0], hidden=2048, topk=8, experts=32, num_sms=4, ring_tokens=16,
-         mask_frac=0.1),
-    dict(name="small-rings-skewed", tokens=[64, 900, 1, 450], hidden=1024, topk=4, experts=16, num_sms=8,
-         ring_tokens=8, routing="skewed"),
+    ReferenceShape(name="small-rings-bf16", tokens=[700, 513, 300, 0], hidden=2048, topk=8, experts=32, num_sms=4,
+                   ring_tokens=16, mask_frac=0.1),
+    ReferenceShape(name="small-rings-skewed", tokens=[64, 900, 1, 450], hidden=1024, topk=4, experts=16, num_sms=8,
+                   ring_tokens=8, routing="skewed"),
     # only the first half of the ranks receive anything
-    dict(name="small-rings-first-half", tokens=[300, 77, 0, 200], hidden=1024, topk=4, experts=16, num_sms=4,
-         ring_tokens=8, routing="first_half", mask_frac=0.1),
+    ReferenceShape(name="small-rings-first-half", tokens=[300, 77, 0, 200], hidden=1024, topk=4, experts=16,
+                   num_sms=4, ring_tokens=8, routing="first_half", mask_frac=0.1),
 ]
 
 
 def test_nvlink_matches_reference_sweep(pool):
     seed = base_seed()
-    _report(seed, lambda: pool(2).run(run_compare, seed, SWEEP))
+    report_mismatches(seed, lambda: pool(2).run(run_compare, seed, SWEEP))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_nvlink_small_rings_match_reference(pool, world_size):
     seed = base_seed()
-    shapes = [dict(s, tokens=s["tokens"][:world_size]) for s in SMALL_RINGS]
-    _report(seed, lambda: pool(world_size).run(run_compare, seed, shapes))
+    shapes = [replace(s, tokens=s.tokens[:world_size]) for s in SMALL_RINGS]
+    report_mismatches(seed, lambda: pool(world_size).run(run_compare, seed, shapes))
 
 
-def run_compare_staged(ctx, seed: int, shapes: List[Dict[str, Any]], stage_tokens: List[int]) -> List[str]:
+def run_compare_staged(ctx, seed: int, shapes: List[ReferenceShape], stage_tokens: List[int]) -> List[str]:
     """run_compare with a buffer that every share fits (the direct protocol), this rank's direct kernels
     copying out or reducing what has arrived after every stage_tokens[rank] tokens (rows per peer) they push
     (0: after all); the ranks' stages may differ. Also checks that the direct dispatch and combine ran."""
-    from deep_ep.transport import nvlink
-    transport = nvlink.NVLinkTransport
-    launches = (transport._dispatch_launch, transport._combine_launch)
+    from deep_ep.transport.nvlink import settings
+    from deep_ep.transport.nvlink.normal import NVLinkNormal
+    launches = (NVLinkNormal._dispatch_launch, NVLinkNormal._combine_launch)
     direct: Dict[str, List[bool]] = {"dispatch": [], "combine": []}
 
     def spy(kind: str, make_launch):
@@ -205,12 +197,13 @@ def run_compare_staged(ctx, seed: int, shapes: List[Dict[str, Any]], stage_token
             return make_launch(self, is_direct, *args)
         return launch
 
-    saved, nvlink.STAGE_TOKENS = nvlink.STAGE_TOKENS, stage_tokens[ctx.rank]
-    transport._dispatch_launch, transport._combine_launch = spy("dispatch", launches[0]), spy("combine", launches[1])
+    saved, settings.STAGE_TOKENS = settings.STAGE_TOKENS, stage_tokens[ctx.rank]
+    NVLinkNormal._dispatch_launch, NVLinkNormal._combine_launch = spy("dispatch", launches[0]), spy("combine",
+                                                                                                   launches[1])
     try:
         errors = run_compare(ctx, seed, shapes, num_nvl_bytes=1 << 30)
     finally:
-        nvlink.STAGE_TOKENS, (transport._dispatch_launch, transport._combine_launch) = saved, launches
+        settings.STAGE_TOKENS, (NVLinkNormal._dispatch_launch, NVLinkNormal._combine_launch) = saved, launches
     errors += [f"rank {ctx.rank}: no {kind} used the direct protocol" for kind, flags in direct.items()
                if True not in flags]
     return errors
@@ -223,39 +216,39 @@ def test_nvlink_staged_direct_protocol_matches_reference(pool, world_size):
     reference."""
     seed = base_seed()
     shapes = SWEEP if world_size == 2 else SMALL_RINGS
-    _report(seed, lambda: pool(world_size).run(run_compare_staged, seed, shapes, [1, 7, 0, 16][:world_size]))
+    report_mismatches(seed, lambda: pool(world_size).run(run_compare_staged, seed, shapes, [1, 7, 0, 16][:world_size]))
 
 
 # 3 and 8 ranks (several per GPU): the sweep's kinds of case at sizes that many ranks' buffers hold at once, and
 # rings of a few rows (every (source, channel) in many rounds of flow control) with tokens that list an expert
 # twice; 48 experts divide among 3 and 8 ranks, and one rank has no tokens
 MANY_RANKS = [
-    dict(name="many-ranks-h7168-top8", tokens=[1024, 0, 517, 1, 300, 64, 999, 128], hidden=7168, topk=8, experts=48,
-         num_sms=24),
-    dict(name="many-ranks-h2880-top32-skewed-masked", tokens=[200, 1, 0, 333, 64, 512, 7, 90], hidden=2880, topk=32,
-         experts=48, num_sms=16, routing="skewed", mask_frac=0.2),
-    dict(name="many-ranks-small-rings-dup", tokens=[300, 0, 77, 450, 1, 128, 64, 200], hidden=1024, topk=4,
-         experts=48, num_sms=4, ring_tokens=8, routing="dup", mask_frac=0.1),
-    dict(name="many-ranks-no-topk", tokens=[50, 333, 0, 120, 7, 256, 90, 1], hidden=512, topk=3, experts=48,
-         num_sms=6, mask_frac=0.2, with_topk=False),
+    ReferenceShape(name="many-ranks-h7168-top8", tokens=[1024, 0, 517, 1, 300, 64, 999, 128], hidden=7168, topk=8,
+                   experts=48, num_sms=24),
+    ReferenceShape(name="many-ranks-h2880-top32-skewed-masked", tokens=[200, 1, 0, 333, 64, 512, 7, 90], hidden=2880,
+                   topk=32, experts=48, num_sms=16, routing="skewed", mask_frac=0.2),
+    ReferenceShape(name="many-ranks-small-rings-dup", tokens=[300, 0, 77, 450, 1, 128, 64, 200], hidden=1024, topk=4,
+                   experts=48, num_sms=4, ring_tokens=8, routing="dup", mask_frac=0.1),
+    ReferenceShape(name="many-ranks-no-topk", tokens=[50, 333, 0, 120, 7, 256, 90, 1], hidden=512, topk=3, experts=48,
+                   num_sms=6, mask_frac=0.2, with_topk=False),
 ]
 
 
 @pytest.mark.parametrize("world_size", [3, 8])
 def test_nvlink_matches_reference_many_ranks(pool, world_size):
     seed = base_seed()
-    shapes = [dict(s, tokens=s["tokens"][:world_size]) for s in MANY_RANKS]
-    _report(seed, lambda: pool(world_size).run(run_compare, seed, shapes))
+    shapes = [replace(s, tokens=s.tokens[:world_size]) for s in MANY_RANKS]
+    report_mismatches(seed, lambda: pool(world_size).run(run_compare, seed, shapes))
 
 
 @pytest.mark.parametrize("world_size", [3, 8])
 def test_nvlink_matches_model(pool, world_size):
     """3 and 8 ranks on 2 GPUs (2 and 4 processes per GPU), against the independent model."""
     seed = base_seed()
-    cases = random_cases(seed, world_size, 3)
+    cases = random_normal_cases(seed, world_size, 3)
     if world_size == 8:
-        cases += [dict(c, name=c["name"].replace("4r", "8r"), tokens=c["tokens"] * 2) for c in CASES_4[:2]]
-    _report(seed, lambda: pool(world_size).run(run_cases, seed, cases, None, "nvlink"))
+        cases += [replace(c, name=c.name.replace("4r", "8r"), tokens=list(c.tokens) * 2) for c in CASES_4[:2]]
+    report_mismatches(seed, lambda: pool(world_size).run(run_cases, seed, cases, None, "nvlink"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -264,15 +257,16 @@ def test_nvlink_matches_model(pool, world_size):
 def run_protocol_agreement(ctx, seed: int, transport: str = "nvlink") -> List[str]:
     from deep_ep import Buffer, Config
     errors: List[str] = []
-    shape = dict(name="agreement", tokens=[300, 211, 97, 0][:ctx.world_size], hidden=1024, topk=8, experts=32)
+    shape = ReferenceShape(name="agreement", tokens=[300, 211, 97, 0][:ctx.world_size], hidden=1024, topk=8,
+                           experts=32)
     config = Config(8, 4, 256)
     fast = Buffer(ctx.group, 1 << 28, 0, transport=transport, explicitly_destroy=True, timeout_s=60)
     ref = Buffer(ctx.group, 1 << 28, 0, transport="reference", explicitly_destroy=True, timeout_s=60)
     x, _, idx, weights, _ = _inputs(seed, shape, ctx.rank, ctx.device)
-    per_rank, _, per_expert, in_rank = ref.get_dispatch_layout(idx, shape["experts"])[:4]
+    per_rank, _, per_expert, in_rank = ref.get_dispatch_layout(idx, shape.experts)[:4]
     kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=idx, topk_weights=weights, config=config)
-    worst = sum(shape["tokens"]) if ctx.rank == 0 else 0   # only rank 0 skips the count wait
+    worst = sum(shape.tokens) if ctx.rank == 0 else 0   # only rank 0 skips the count wait
     outs = {}
     for label, b in (("fast", fast), ("ref", ref)):
         mixed = b.dispatch(x, num_worst_tokens=worst, **kwargs)
@@ -286,11 +280,11 @@ def run_protocol_agreement(ctx, seed: int, transport: str = "nvlink") -> List[st
         outs[label] = (mixed, mixed_combined, cached, combined)
     (mixed, mixed_combined, cached, combined), (rmixed, rmixed_combined, rcached, rcombined) = outs["fast"], outs["ref"]
     name = f"rank {ctx.rank}"
-    _same(errors, f"{name} mixed num_worst_tokens recv_x", mixed[0], rmixed[0], rows=rcached.shape[0])
-    _same(errors, f"{name} mixed num_worst_tokens recv_topk_idx", mixed[1], rmixed[1])
-    _same(errors, f"{name} mixed num_worst_tokens combine", mixed_combined, rmixed_combined)
-    _same(errors, f"{name} rebuilt handle cached recv_x", cached, rcached)
-    _same(errors, f"{name} rebuilt handle combine", combined, rcombined)
+    record_difference(errors, f"{name} mixed num_worst_tokens recv_x", mixed[0], rmixed[0], rows=rcached.shape[0])
+    record_difference(errors, f"{name} mixed num_worst_tokens recv_topk_idx", mixed[1], rmixed[1])
+    record_difference(errors, f"{name} mixed num_worst_tokens combine", mixed_combined, rmixed_combined)
+    record_difference(errors, f"{name} rebuilt handle cached recv_x", cached, rcached)
+    record_difference(errors, f"{name} rebuilt handle combine", combined, rcombined)
     fast.destroy()
     ref.destroy()
     return errors
@@ -299,7 +293,7 @@ def run_protocol_agreement(ctx, seed: int, transport: str = "nvlink") -> List[st
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_nvlink_ranks_agree_on_protocol(pool, world_size):
     seed = base_seed()
-    _report(seed, lambda: pool(world_size).run(run_protocol_agreement, seed))
+    report_mismatches(seed, lambda: pool(world_size).run(run_protocol_agreement, seed))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -426,7 +420,7 @@ def run_async_then_sync(ctx, seed: int, rounds: int) -> List[str]:
 
 def test_nvlink_async_then_sync_keeps_stream_order(pool):
     seed = base_seed()
-    _report(seed, lambda: pool(2).run(run_async_then_sync, seed, 20))
+    report_mismatches(seed, lambda: pool(2).run(run_async_then_sync, seed, 20))
 
 
 def run_compute_stream_stays_free(ctx) -> Dict[str, str]:
@@ -526,12 +520,12 @@ def run_graph(ctx, seed: int, replays: int) -> List[str]:
         rcombined, rcombined_w, _ = ref.combine(rx, rhandle, topk_weights=rw, config=config)
         rows = int(rhandle[0][-1, ctx.rank])
         name = f"rank {ctx.rank} replay {i}"
-        _same(errors, f"{name} recv_x", recv_x, rx, rows=rows)
-        _same(errors, f"{name} recv_topk_idx", recv_idx, ridx)
-        _same(errors, f"{name} recv_topk_weights", recv_w, rw)
-        _same(errors, f"{name} recv_src_idx", recv_src, rhandle[3])
-        _same(errors, f"{name} combined", combined, rcombined)
-        _same(errors, f"{name} combined weights", combined_w, rcombined_w)
+        record_difference(errors, f"{name} recv_x", recv_x, rx, rows=rows)
+        record_difference(errors, f"{name} recv_topk_idx", recv_idx, ridx)
+        record_difference(errors, f"{name} recv_topk_weights", recv_w, rw)
+        record_difference(errors, f"{name} recv_src_idx", recv_src, rhandle[3])
+        record_difference(errors, f"{name} combined", combined, rcombined)
+        record_difference(errors, f"{name} combined weights", combined_w, rcombined_w)
         if errors:
             break
     del graph
@@ -542,7 +536,7 @@ def run_graph(ctx, seed: int, replays: int) -> List[str]:
 
 def test_nvlink_cuda_graph_replays(pool):
     seed = base_seed()
-    _report(seed, lambda: pool(2).run(run_graph, seed, 20))
+    report_mismatches(seed, lambda: pool(2).run(run_graph, seed, 20))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -605,9 +599,7 @@ def run_stress(ctx, seed: int, iterations: int) -> Dict[str, int]:
 def test_nvlink_stress_10000_iterations(pool, world_size, iterations):
     """10,000 iterations at 2 ranks; 2,500 at 4 ranks (two processes on each GPU)."""
     seed = base_seed()
-    results = pool(world_size).run(run_stress, seed, iterations, timeout=600)
-    for rank, r in enumerate(results):
-        assert r["wrong_tokens"] == 0, f"seed {seed}: rank {rank}: {r['wrong_tokens']} wrong tokens"
+    assert_no_wrong_tokens(seed, pool(world_size).run(run_stress, seed, iterations, timeout=600))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,37 +7,28 @@ bitwise comparison with the reference transport at decode shapes, 8 ranks, CUDA-
 changing routing, hooks called from another thread, and the errors found on the GPU.
 """
 import time
-from typing import Any, Dict, List, Optional
+from dataclasses import replace
+from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
 
-from dist_utils import run_on_another_thread
-from randomness import base_seed, bits, generator
-from test_low_latency import make_routing, make_x
+from cases import LowLatencyShape
+from compare import assert_no_wrong_tokens, record_difference, report_mismatches
+from dist_utils import outcome, run_on_another_thread
+from inputs import LOW_LATENCY_ROUTING, make_octave_spread_x, make_routing
+from randomness import base_seed, generator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.nvlink_kernels]
-
-
-def _same(errors: List[str], what: str, got: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> None:
-    if got is None or expected is None:
-        if (got is None) != (expected is None):
-            errors.append(f"{what}: one side is None")
-        return
-    if got.shape != expected.shape or got.dtype != expected.dtype:
-        errors.append(f"{what}: {tuple(got.shape)} {got.dtype} vs reference {tuple(expected.shape)} {expected.dtype}")
-    elif not torch.equal(bits(got), bits(expected)):
-        diff = (bits(got) != bits(expected)).nonzero()
-        errors.append(f"{what}: differs from the reference at {diff.shape[0]} places, first {diff[0].tolist()}")
 
 
 def _valid_rows(t: torch.Tensor, counts: List[int]) -> List[torch.Tensor]:
     return [t[e, :c] for e, c in enumerate(counts)]
 
 
-def _tokens(shape: Dict[str, Any], rank: int) -> int:
+def _tokens(shape: LowLatencyShape, rank: int) -> int:
     """Tokens of a rank: the shape's list, repeated over more ranks; rank 3 has none."""
-    return 0 if rank == 3 else shape["tokens"][rank % len(shape["tokens"])]
+    return 0 if rank == 3 else shape.tokens[rank % len(shape.tokens)]
 
 
 def _expert_outputs(seed: int, key: Any, rows: int, hidden: int, device, logfmt: bool) -> torch.Tensor:
@@ -59,10 +50,9 @@ MODES = [  # (dispatch mode, combine kind, combine mode)
 
 
 def _dispatch(buf, x, idx, shape, mode, cum=None, wait=None):
-    out = buf.low_latency_dispatch(x, idx, shape["N"], shape["experts"], cumulative_local_expert_recv_stats=cum,
-                                   dispatch_wait_recv_cost_stats=wait, use_fp8=shape.get("fp8", False),
-                                   round_scale=shape.get("round_scale", False), use_ue8m0=shape.get("ue8m0", False),
-                                   async_finish=mode == "async", return_recv_hook=mode == "hook")
+    out = buf.low_latency_dispatch(x, idx, shape.num_max_tokens, shape.experts, cumulative_local_expert_recv_stats=cum,
+                                   dispatch_wait_recv_cost_stats=wait, use_fp8=shape.fp8, round_scale=shape.round_scale,
+                                   use_ue8m0=shape.ue8m0, async_finish=mode == "async", return_recv_hook=mode == "hook")
     _complete(out[3], out[4], mode)
     return out
 
@@ -87,30 +77,30 @@ def _combine(buf, y, idx, weights, handle, kind, mode):
     return combined
 
 
-def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]]) -> List[str]:
+def run_compare(ctx, seed: int, shapes: List[LowLatencyShape]) -> List[str]:
     """Low-latency dispatch and combine on the NVLink path and on the reference transport: bitwise equal."""
     from deep_ep import Buffer
     errors: List[str] = []
     R, rank = ctx.world_size, ctx.rank
     for shape in shapes:
-        n, hidden, num_experts = shape["N"], shape["hidden"], shape["experts"]
+        n, hidden, num_experts = shape.num_max_tokens, shape.hidden, shape.experts
         e_loc = num_experts // R
         hint = Buffer.get_low_latency_rdma_size_hint(n, hidden, R, num_experts)
         buffers = {label: Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=e_loc,
                                  transport=label, explicitly_destroy=True, timeout_s=60)
                    for label in ("nvlink", "reference")}
         for i, (dmode, ckind, cmode) in enumerate(MODES):
-            name = f"rank {rank} {shape['name']} round {i} ({dmode}/{ckind}/{cmode})"
-            gen = generator(seed, shape["name"], i, rank)
+            name = f"rank {rank} {shape.name} round {i} ({dmode}/{ckind}/{cmode})"
+            gen = generator(seed, shape.name, i, rank)
             num_tokens = _tokens(shape, rank)
-            hot = generator(seed, shape["name"]).initial_seed() % num_experts
-            idx, weights = make_routing(gen, num_tokens, shape["topk"], num_experts, shape.get("routing", "uniform"),
-                                        shape.get("mask_frac", 0.0), hot)
-            x = make_x(gen, num_tokens, hidden).to(ctx.device)
+            hot = generator(seed, shape.name).initial_seed() % num_experts
+            idx, weights = make_routing(gen, num_tokens, shape.topk, num_experts, shape.routing, shape.mask_frac, hot,
+                                        **LOW_LATENCY_ROUTING)
+            x = make_octave_spread_x(gen, num_tokens, hidden).to(ctx.device)
             idx, weights = idx.to(ctx.device), weights.to(ctx.device)
-            y = _expert_outputs(seed, (shape["name"], i, rank), e_loc * R * n, hidden, ctx.device,
+            y = _expert_outputs(seed, (shape.name, i, rank), e_loc * R * n, hidden, ctx.device,
                                 ckind == "logfmt").view(e_loc, R * n, hidden)
-            y_again = _expert_outputs(seed, (shape["name"], i, rank, "again"), e_loc * R * n, hidden, ctx.device,
+            y_again = _expert_outputs(seed, (shape.name, i, rank, "again"), e_loc * R * n, hidden, ctx.device,
                                       False).view(e_loc, R * n, hidden)
             outs = {}
             for label, buf in buffers.items():
@@ -122,39 +112,42 @@ def run_compare(ctx, seed: int, shapes: List[Dict[str, Any]]) -> List[str]:
                 outs[label] = (recv_x, count, handle, combined, cum, again)
             (recv_x, count, handle, combined, cum, again), (r_recv_x, r_count, r_handle, r_combined, r_cum, r_again) = \
                 outs["nvlink"], outs["reference"]
-            _same(errors, f"{name} combined again through the same handle", again, r_again)
-            _same(errors, f"{name} recv_count", count, r_count)
-            _same(errors, f"{name} cumulative stats", cum, r_cum)
-            _same(errors, f"{name} layout_range", handle[1], r_handle[1])
-            _same(errors, f"{name} src_info", handle[0], r_handle[0])
+            record_difference(errors, f"{name} combined again through the same handle", again, r_again)
+            record_difference(errors, f"{name} recv_count", count, r_count)
+            record_difference(errors, f"{name} cumulative stats", cum, r_cum)
+            record_difference(errors, f"{name} layout_range", handle[1], r_handle[1])
+            record_difference(errors, f"{name} src_info", handle[0], r_handle[0])
             counts = r_count.tolist()
             data, r_data = (recv_x, r_recv_x) if isinstance(recv_x, tuple) else ((recv_x,), (r_recv_x,))
             for j, (got, expected) in enumerate(zip(data, r_data)):
                 for e, (g, x_) in enumerate(zip(_valid_rows(got, counts), _valid_rows(expected, counts))):
-                    _same(errors, f"{name} recv_x[{j}] expert {e}", g, x_)
-            _same(errors, f"{name} combined", combined, r_combined)
+                    record_difference(errors, f"{name} recv_x[{j}] expert {e}", g, x_)
+            record_difference(errors, f"{name} combined", combined, r_combined)
         for buf in buffers.values():
             buf.destroy()
     return errors
 
 
 LL_SWEEP = [  # tokens 0/1/128/512/1024, hidden 2048/2880/4096/7168/8320, top-k 1/8/32, skewed, masked, dups
-    dict(name="deepseek-decode-fp8", tokens=[128, 128], N=128, hidden=7168, topk=8, experts=288, fp8=True),
-    dict(name="h4096-top32-skewed-bf16", tokens=[512, 300], N=512, hidden=4096, topk=32, experts=64,
-         routing="skewed", mask_frac=0.1),
-    dict(name="h2880-top1-one-token-ue8m0", tokens=[1, 0], N=8, hidden=2880, topk=1, experts=16, fp8=True,
-         round_scale=True, ue8m0=True),
-    dict(name="h2048-top8-round-scale-masked", tokens=[0, 128], N=128, hidden=2048, topk=8, experts=32, fp8=True,
-         round_scale=True, mask_frac=0.3),
-    dict(name="h7168-top32-duplicates-bf16", tokens=[64, 37], N=64, hidden=7168, topk=32, experts=32,
-         routing="dup"),
-    dict(name="n1024-fp8", tokens=[1024, 1000], N=1024, hidden=2048, topk=8, experts=64, fp8=True),  # the most tokens
+    LowLatencyShape(name="deepseek-decode-fp8", tokens=[128, 128], num_max_tokens=128, hidden=7168, topk=8,
+                    experts=288, fp8=True),
+    LowLatencyShape(name="h4096-top32-skewed-bf16", tokens=[512, 300], num_max_tokens=512, hidden=4096, topk=32,
+                    experts=64, routing="skewed", mask_frac=0.1),
+    LowLatencyShape(name="h2880-top1-one-token-ue8m0", tokens=[1, 0], num_max_tokens=8, hidden=2880, topk=1,
+                    experts=16, fp8=True, round_scale=True, ue8m0=True),
+    LowLatencyShape(name="h2048-top8-round-scale-masked", tokens=[0, 128], num_max_tokens=128, hidden=2048, topk=8,
+                    experts=32, fp8=True, round_scale=True, mask_frac=0.3),
+    LowLatencyShape(name="h7168-top32-duplicates-bf16", tokens=[64, 37], num_max_tokens=64, hidden=7168, topk=32,
+                    experts=32, routing="dup"),
+    # the most tokens
+    LowLatencyShape(name="n1024-fp8", tokens=[1024, 1000], num_max_tokens=1024, hidden=2048, topk=8, experts=64,
+                    fp8=True),
     # wider than 8192 and not a power of two: 65 scale groups, 17 packed ue8m0 words with one group in the last
-    dict(name="h8320-top8-ue8m0", tokens=[32, 5], N=32, hidden=8320, topk=8, experts=16, fp8=True, round_scale=True,
-         ue8m0=True, mask_frac=0.1),
+    LowLatencyShape(name="h8320-top8-ue8m0", tokens=[32, 5], num_max_tokens=32, hidden=8320, topk=8, experts=16,
+                    fp8=True, round_scale=True, ue8m0=True, mask_frac=0.1),
 ]
 # at 4 and 8 ranks (several per GPU): the second case's top-32 skewed routing at a size their buffers hold
-MANY_RANKS_TOP32 = dict(LL_SWEEP[1], name="h4096-top32-skewed-bf16-n128", tokens=[128, 100], N=128)
+MANY_RANKS_TOP32 = replace(LL_SWEEP[1], name="h4096-top32-skewed-bf16-n128", tokens=[128, 100], num_max_tokens=128)
 
 
 @pytest.mark.timeout(960)   # (the ranks' own limit below is 900 s)
@@ -162,12 +155,9 @@ MANY_RANKS_TOP32 = dict(LL_SWEEP[1], name="h4096-top32-skewed-bf16-n128", tokens
 def test_ll_nvlink_matches_reference(pool, world_size):
     seed = base_seed()
     # more ranks share the GPUs here: the decode shape with N=64 keeps 8 ranks' buffers in memory
-    decode = dict(LL_SWEEP[0], name="deepseek-decode-fp8-n64", tokens=[64, 64], N=64)
+    decode = replace(LL_SWEEP[0], name="deepseek-decode-fp8-n64", tokens=[64, 64], num_max_tokens=64)
     shapes = LL_SWEEP if world_size == 2 else [decode, MANY_RANKS_TOP32] + LL_SWEEP[2:4]
-    results = pool(world_size).run(run_compare, seed, shapes, timeout=900)
-    errors = [e for per_rank in results for e in per_rank]
-    assert not errors, f"seed={seed} (replay: DEEP_EP_TEST_SEED={seed}): {len(errors)} mismatches\n" + \
-        "\n".join(errors[:30])
+    report_mismatches(seed, lambda: pool(world_size).run(run_compare, seed, shapes, timeout=900))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -265,9 +255,7 @@ def run_graph(ctx, seed: int, replays: int, hook: bool, few_tokens: bool = False
 def test_ll_nvlink_cuda_graph_replays(pool, hook, few_tokens):
     seed = base_seed()
     replays = GRAPH_REPLAYS if not (hook or few_tokens) else 200 if hook else 2000
-    results = pool(2).run(run_graph, seed, replays, hook, few_tokens, timeout=900)
-    for rank, r in enumerate(results):
-        assert r["wrong_tokens"] == 0, f"seed {seed}: rank {rank}: {r['wrong_tokens']} wrong tokens"
+    assert_no_wrong_tokens(seed, pool(2).run(run_graph, seed, replays, hook, few_tokens, timeout=900))
 
 
 def run_graphs_interleaved(ctx, seed: int, replays: int) -> Dict[str, int]:
@@ -293,9 +281,7 @@ def run_graphs_interleaved(ctx, seed: int, replays: int) -> Dict[str, int]:
 
 def test_ll_nvlink_several_graphs_on_one_buffer(pool):
     seed = base_seed()
-    results = pool(2).run(run_graphs_interleaved, seed, 600, timeout=600)
-    for rank, r in enumerate(results):
-        assert r["wrong_tokens"] == 0, f"seed {seed}: rank {rank}: {r['wrong_tokens']} wrong tokens"
+    assert_no_wrong_tokens(seed, pool(2).run(run_graphs_interleaved, seed, 600, timeout=600))
 
 
 def run_graph_between_normal_calls(ctx, seed: int, cycles: int, replays: int) -> Dict[str, int]:
@@ -360,8 +346,10 @@ def run_hook_on_another_stream(ctx, seed: int) -> List[str]:
     inputs = []
     for call in range(3):
         gen = generator(seed, "hook-on-another-stream", call, ctx.rank)
-        idx, _ = make_routing(gen, shape["N"] - call, shape["topk"], shape["experts"], "uniform", 0.1, 0)
-        inputs.append((make_x(gen, shape["N"] - call, shape["hidden"]).to(ctx.device), idx.to(ctx.device)))
+        idx, _ = make_routing(gen, shape["N"] - call, shape["topk"], shape["experts"], "uniform", 0.1, 0,
+                              **LOW_LATENCY_ROUTING)
+        x = make_octave_spread_x(gen, shape["N"] - call, shape["hidden"])
+        inputs.append((x.to(ctx.device), idx.to(ctx.device)))
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     fast = buffers["nvlink"]
     for held in (False, True):   # the first round compiles what the second launches while S1 is held
@@ -378,10 +366,10 @@ def run_hook_on_another_stream(ctx, seed: int) -> List[str]:
     errors: List[str] = []
     for name, got, (x, idx) in zip("ABC", (a, b, c), inputs):
         expected = buffers["reference"].low_latency_dispatch(x, idx, shape["N"], shape["experts"], use_fp8=False)
-        _same(errors, f"rank {ctx.rank} dispatch {name} recv_count", got[1], expected[1])
+        record_difference(errors, f"rank {ctx.rank} dispatch {name} recv_count", got[1], expected[1])
         counts = expected[1].tolist()
         for e, (g, x_) in enumerate(zip(_valid_rows(got[0], counts), _valid_rows(expected[0], counts))):
-            _same(errors, f"rank {ctx.rank} dispatch {name} expert {e}", g, x_)
+            record_difference(errors, f"rank {ctx.rank} dispatch {name} expert {e}", g, x_)
     for buf in buffers.values():
         buf.destroy()
     return errors
@@ -389,8 +377,7 @@ def run_hook_on_another_stream(ctx, seed: int) -> List[str]:
 
 def test_ll_nvlink_hook_on_another_stream(pool):
     seed = base_seed()
-    errors = [e for per_rank in pool(2).run(run_hook_on_another_stream, seed, timeout=300) for e in per_rank]
-    assert not errors, f"seed={seed}: " + "\n".join(errors[:20])
+    report_mismatches(seed, lambda: pool(2).run(run_hook_on_another_stream, seed, timeout=300))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -398,8 +385,8 @@ def test_ll_nvlink_hook_on_another_stream(pool):
 # ---------------------------------------------------------------------------------------------------
 def _absent_rank_inputs(seed: int, round_: int, rank: int, n: int, hidden: int, topk: int, num_experts: int):
     gen = generator(seed, "absent-rank", round_, rank)
-    idx, weights = make_routing(gen, n - rank, topk, num_experts, "uniform", 0.1, 0)
-    return make_x(gen, n - rank, hidden), idx, weights
+    idx, weights = make_routing(gen, n - rank, topk, num_experts, "uniform", 0.1, 0, **LOW_LATENCY_ROUTING)
+    return make_octave_spread_x(gen, n - rank, hidden), idx, weights
 
 
 def run_absent_rank(ctx, seed: int) -> List[str]:
@@ -448,20 +435,19 @@ def _absent_rank_rounds(ctx, seed: int, buffer, errors: List[str], absent: int, 
             if int(count[e]) != len(rows):
                 errors.append(f"{name} expert {expert}: recv_count {int(count[e])}, expected {len(rows)}")
             else:
-                _same(errors, f"{name} expert {expert} rows", recv_x[e, :len(rows)].cpu(), expected)
+                record_difference(errors, f"{name} expert {expert} rows", recv_x[e, :len(rows)].cpu(), expected)
         x_cpu, idx_cpu, w_cpu = inputs[rank]
         acc = torch.zeros(x_cpu.shape, dtype=torch.float32)
         for k in range(topk):
             live = ((idx_cpu[:, k] >= 0) & (idx_cpu[:, k] // e_loc != absent)).unsqueeze(1)
             acc = torch.where(live, acc + w_cpu[:, k:k + 1] * x_cpu.float(), acc)
-        _same(errors, f"{name} combined", combined.cpu(), acc.to(torch.bfloat16))
+        record_difference(errors, f"{name} combined", combined.cpu(), acc.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ll_nvlink_shrink_with_an_absent_rank(pool, world_size):
     seed = base_seed()
-    errors = [e for per_rank in pool(world_size).run(run_absent_rank, seed, timeout=300) for e in per_rank]
-    assert not errors, f"seed={seed}: " + "\n".join(errors[:20])
+    report_mismatches(seed, lambda: pool(world_size).run(run_absent_rank, seed, timeout=300))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -480,9 +466,21 @@ def _small_ll_buffer(ctx):
     return buffer, x, idx, weights, n, num_experts
 
 
-def run_ll_errors(ctx) -> Dict[str, str]:
+def _seconds_until_done(calls: Callable[[], Any]) -> str:
+    """How long `calls()` and the GPU work it queued take, in seconds (as a string a rank can return)."""
+    start = time.monotonic()
+    calls()
+    torch.cuda.synchronize()
+    return f"{time.monotonic() - start:.3f}"
+
+
+def _next_dispatch_outcome(buffer, x: torch.Tensor, idx: torch.Tensor, n: int, num_experts: int) -> str:
+    """What the next low-latency dispatch comes to: "no error" or the CommTimeoutError it raises."""
     import deep_ep
-    from dist_utils import outcome
+    return outcome(lambda: buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False), deep_ep.CommTimeoutError)
+
+
+def run_ll_errors(ctx) -> Dict[str, str]:
     out: Dict[str, str] = {}
     buffer, x, idx, weights, n, num_experts = _small_ll_buffer(ctx)
     bad = idx.clone()
@@ -496,14 +494,12 @@ def run_ll_errors(ctx) -> Dict[str, str]:
     combined = buffer.low_latency_combine(recv_x, idx, weights, handle)[0]
     out["after"] = str(bool(torch.equal(combined, (2 * x.float()).to(torch.bfloat16))))
     if ctx.rank == 0:   # rank 1 never comes: rank 0's receive gives up after timeout_s
-        start = time.monotonic()
-        buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
-        # queued behind it before the host has seen the timeout: its waits give up soon after they begin
-        buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
-        torch.cuda.synchronize()
-        out["two_queued_seconds"] = f"{time.monotonic() - start:.3f}"
-        out["timeout"] = outcome(lambda: buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False),
-                                 deep_ep.CommTimeoutError)
+        def two_dispatches() -> None:
+            buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+            # queued behind it before the host has seen the timeout: its waits give up soon after they begin
+            buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+        out["two_queued_seconds"] = _seconds_until_done(two_dispatches)
+        out["timeout"] = _next_dispatch_outcome(buffer, x, idx, n, num_experts)
     return out
 
 
@@ -522,19 +518,13 @@ def test_ll_nvlink_errors(pool):
 def run_ll_combine_timeout(ctx) -> Dict[str, str]:
     """Both ranks dispatch, then only rank 0 combines: its receive gives up after timeout_s, and its next call
     raises CommTimeoutError naming the rank and what it waited for."""
-    import deep_ep
-    from dist_utils import outcome
     out: Dict[str, str] = {}
     buffer, x, idx, weights, n, num_experts = _small_ll_buffer(ctx)
     recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
     torch.cuda.synchronize()
     if ctx.rank == 0:
-        start = time.monotonic()
-        buffer.low_latency_combine(recv_x, idx, weights, handle)
-        torch.cuda.synchronize()
-        out["seconds"] = f"{time.monotonic() - start:.3f}"
-        out["timeout"] = outcome(lambda: buffer.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False),
-                                 deep_ep.CommTimeoutError)
+        out["seconds"] = _seconds_until_done(lambda: buffer.low_latency_combine(recv_x, idx, weights, handle))
+        out["timeout"] = _next_dispatch_outcome(buffer, x, idx, n, num_experts)
     return out
 
 

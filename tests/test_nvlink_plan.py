@@ -4,11 +4,12 @@ import pytest
 import torch
 
 import model
+from inputs import make_routing
 from randomness import base_seed, generator
-from test_normal import make_routing
 from deep_ep.group import Group
 from deep_ep.transport import nvlink
-from deep_ep.transport.nvlink import NVLinkTransport, plan_from_handle
+from deep_ep.transport.nvlink import NVLinkTransport
+from deep_ep.transport.nvlink.normal import plan_from_handle
 
 
 @pytest.mark.parametrize("num_ranks,num_channels", [(2, 3), (3, 5), (4, 1)])
@@ -74,14 +75,12 @@ class _GroupOf:
 
 
 def test_ranks_must_agree_on_the_protocol_settings():
-    from deep_ep.transport.nvlink import _agree_on_settings
-    from deep_ep.transport.nvlink.low_latency import NUM_SENDERS as n
+    from deep_ep.transport.nvlink import _agree_on_settings, settings
     _agree_on_settings(_GroupOf([lambda values: values, lambda values: values]))   # all alike: no error
-    more_senders = lambda values: values[:3] + [values[3] * 2]  # noqa: E731
-    with pytest.raises(ValueError, match=rf"DEEP_EP_LL_SENDERS.*\[{n}, {n}, {2 * n}\]"):
-        _agree_on_settings(_GroupOf([lambda values: values, more_senders]))
-    with pytest.raises(ValueError, match="DEEP_EP_NVLINK_DIRECT"):
-        _agree_on_settings(_GroupOf([lambda values: [1 - values[0]] + values[1:]]))
+    other_protocol = lambda values: [1 - values[0]]  # noqa: E731
+    mine = int(settings.DIRECT)
+    with pytest.raises(ValueError, match=rf"DEEP_EP_NVLINK_DIRECT.*\[{mine}, {mine}, {1 - mine}\]"):
+        _agree_on_settings(_GroupOf([lambda values: values, other_protocol]))
 
 
 @pytest.mark.parametrize("released, broken, capturing, waits", [

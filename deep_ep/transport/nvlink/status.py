@@ -83,7 +83,9 @@ class StatusWords:
 
     def __init__(self, group: Group, timeout_ns: int) -> None:
         self.group, self.rank, self.timeout_ns = group, group.rank, timeout_ns
-        self.tensor = torch.zeros(MASKS + group.size, dtype=torch.int32, device="cpu").pin_memory()
+        self.tensor = torch.zeros(MASKS + group.size, dtype=torch.int32, device="cpu")
+        if torch.cuda.is_available():   # (kernels write it; the transport only runs on CUDA devices)
+            self.tensor = self.tensor.pin_memory()
         self._words = self.tensor.numpy()   # (the same memory, read without torch's per-call overhead)
 
     def raise_timeout(self) -> None:
