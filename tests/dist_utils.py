@@ -194,8 +194,7 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
         except BaseException:  # noqa: BLE001 - every failure goes back to the test
             answer = (rank, False, traceback.format_exc())
         if device.type == "cuda":
-            # Pools of other sizes stay alive beside this one: an idle rank must not keep the GPU memory its
-            # last test cached (on an 80 GB GPU, idle 2- and 4-rank pools' caches left too little for 8 ranks').
+            # pools of other sizes stay alive beside this one: an idle rank must not keep what its last test cached
             torch.cuda.empty_cache()
         outbox.put(answer)
     dist.destroy_process_group()
