@@ -1,4 +1,21 @@
-"""The public `Buffer`: DeepEP V1's API. It validates arguments and routes each call to a transport."""
+"""The public `Buffer`: DeepEP V1's API. It validates arguments and routes each call to a transport.
+
+Handles are the plain tuples of DeepEP's positions (clients index them); inside they are unpacked by name.
+
+Note [collective construction]: construction's first collective gathers every rank's arguments (and host,
+for the node layout): ranks that passed different ones all get a ValueError naming the argument, instead of a
+failure at the first call on some ranks and a timeout on the others.
+
+Note [state outside inference mode]: the Buffer's state is made outside inference mode even when it is built
+inside it (frameworks build it lazily in a forward), so that calls outside that mode can update it in place
+(e.g. the shrink mask).
+
+Note [checked handles]: a handle reused call after call (cached dispatches, combines) is checked once per
+(tokens, channels); the Buffer keeps the last handle it checked alive until it checks another.
+
+Note [hooks hold no Buffer]: a receive hook refers to the transport and its call's tensors, never to the
+Buffer, so a Buffer dropped with hooks never called goes at once (see `ReceiveHook._release`).
+"""
 from __future__ import annotations
 
 import os
@@ -20,7 +37,7 @@ from .transport.base import LowLatencyOptions
 from .utils import EventHandle, EventOverlap
 
 DEFAULT_TIMEOUT_S = 100.0
-MAX_TIMEOUT_S = 1e6   # (about 11 days; the GPU's waits count nanoseconds in 64 bits)
+MAX_TIMEOUT_S = 1e6   # about 11 days, well within the GPU waits' 64-bit nanosecond clocks
 MAX_TOPK = 32
 MAX_EXPERTS_PER_RANK = 1024
 
@@ -77,9 +94,7 @@ class Buffer:
 
     num_sms: int = 20
 
-    # (its state is made outside inference mode even when the Buffer is built inside it, as frameworks that
-    # build it lazily in a forward do: calls outside that mode update it in place, e.g. the shrink mask)
-    @torch.inference_mode(False)
+    @torch.inference_mode(False)   # Note [state outside inference mode]
     def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
@@ -90,17 +105,13 @@ class Buffer:
         """
         Args:
             group: the communication group (NCCL, gloo or mixed); its rank order is the EP rank order.
-            num_nvl_bytes: bytes of the buffer shared with the ranks of the same node (normal mode). On the
-                NVLink transport, a dispatch moves all rows at once (the direct protocol) when the buffer holds
-                every row any rank receives (rows x (row bytes + scale bytes + 12 x top-k + 16)), and a
-                combine when it holds every row any rank sent (rows x (2 x hidden + 4 x top-k + 16)); at most
-                ranks x tokens per rank rows each: 8 ranks x 4096 tokens of hidden 7168 need at most 0.48 GB
-                (the 1 GiB that vLLM passes is enough). A smaller buffer streams the rows in rounds, as does
-                every dispatch with num_worst_tokens (and its combine); a call refuses a buffer below
-                DeepEP's per-call ring rule for its own row size and channels (a buffer of the size hint
-                `Config.get_nvl_buffer_size_hint` always meets it). A multiple of 128.
-            num_rdma_bytes: bytes of the buffer used by the low-latency mode (DeepEP also uses it for
-                internode normal mode; the reference transport here needs none there). A multiple of 128.
+            num_nvl_bytes: bytes of the buffer shared with the ranks of the same node (normal mode), a
+                multiple of 128. `Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(hidden_bytes, R)` (and
+                the combine config's) gives a size every call accepts; a call refuses a buffer below DeepEP's
+                rule for its config and row size. On the NVLink transport a buffer that holds every row a call
+                moves lets it move them at once instead of in rounds (docs/DESIGN.md, "NVLink transport").
+            num_rdma_bytes: bytes of the low-latency area, a multiple of 128; `Buffer.get_low_latency_rdma_size_hint`
+                gives the size. DeepEP also uses it for internode normal mode; this library needs none there.
             low_latency_mode: enable `low_latency_dispatch` / `low_latency_combine`.
             num_qps_per_rank: RDMA queue pairs per peer in DeepEP; accepted as a hint (must be > 0 in
                 low-latency mode, as DeepEP asserts there).
@@ -113,8 +124,7 @@ class Buffer:
             num_ranks_per_node: ranks per node (contiguous in group order). Default: from the ranks' hosts.
             transport: "auto" (default, or $DEEP_EP_TRANSPORT), "reference" or "nvlink".
             timeout_s: bound of every wait in seconds (default 100, or $DEEP_EP_TIMEOUT_S); the construction's
-                first exchange, which ranks may reach far apart, waits as long as the group's own timeout
-                where that is longer (as DeepEP's construction does).
+                first exchange waits as long as the group's own timeout where that is longer (docs/DESIGN.md).
             device: where the tensors live; default the current CUDA device, else the CPU.
         """
         if torch.cuda.is_available() and capturing(torch.device(device if device is not None else "cuda")):
@@ -126,7 +136,7 @@ class Buffer:
         timeout_s = _timeout_setting(timeout_s)
         requested_transport = transport_name(transport)
         self.device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cuda" and self.device.index is None:   # (not whatever device is current later)
+        if self.device.type == "cuda" and self.device.index is None:   # fixed now, not whatever is current later
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._group = Group(group, comm, timeout_s, self.device)
         self.group = group if group is not None else comm
@@ -136,9 +146,7 @@ class Buffer:
             if self.group_size % num_ranks_per_node:
                 raise ValueError(f"num_ranks_per_node must divide the group size {self.group_size}, "
                                  f"got {num_ranks_per_node}")
-        # one collective: every rank's arguments (construction is collective: ranks that differ get a ValueError
-        # naming the argument, not a failure at the first call on some ranks and a timeout on the others) and
-        # host (the node layout, if not given)
+        # Note [collective construction]
         with self._group.awaiting_arrivals():
             gathered = self._group.agree_on(dict(
                 num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, low_latency_mode=bool(low_latency_mode),
@@ -160,16 +168,15 @@ class Buffer:
         self.allow_nvlink_for_low_latency_mode, self.allow_mnnvl, self.use_fabric = (
             allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric)
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device) if enable_shrink else None
-        if enable_shrink:   # (rank 0's random number names this Buffer's roll calls)
+        if enable_shrink:   # rank 0's random number names this Buffer's roll calls
             self._group.open_roll_call(f"deep_ep/shrink/{gathered[0][1]:x}")
         self._comm_stream = CommStream(self.device)
-        self._default_configs: dict = {}   # _default_config
+        self._default_configs: dict = {}   # see _default_config
         self._slots = LowLatencySlots()
         self._low_latency_async = False   # the last low-latency call ran asynchronously on the comm stream
         # per buffer half, the stream (id triple) that the receive of its last low-latency call runs on
         self._receive_streams: List[Optional[tuple]] = [None, None]
-        # the last handle checked and its results per (num_tokens, num_channels): a handle reused call after
-        # call is checked once (this keeps that one handle alive until another is checked)
+        # the last handle checked and its results per (num_tokens, num_channels): Note [checked handles]
         self._checked_handle: Tuple[Optional[tuple], dict] = (None, {})
         low_latency_bytes = num_rdma_bytes if low_latency_mode and allow_nvlink_for_low_latency_mode else 0
         self._transport = select_transport(requested_transport, self._group, self.topology, self.device,
@@ -188,14 +195,14 @@ class Buffer:
         if self._rdma_buffer is None:
             self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
         self.transport_name = self._transport.name
-        if low_latency_mode or self.topology.is_internode:   # (DeepEP sets it where it starts NVSHMEM)
+        if low_latency_mode or self.topology.is_internode:   # where DeepEP starts NVSHMEM
             self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
         self._group.barrier("Buffer construction")
-        self.runtime: Optional[object] = self._transport   # (set last: a Buffer whose construction failed has none)
+        self.runtime: Optional[object] = self._transport   # set last: a Buffer whose construction failed has none
 
     def __del__(self) -> None:
         if getattr(self, "explicitly_destroy", False) and getattr(self, "runtime", None) is not None:
-            try:   # (may run at interpreter exit, when warnings can no longer be issued)
+            try:   # may run at interpreter exit, when warnings can no longer be issued
                 warnings.warn(f"deep_ep.Buffer of rank {self.rank} was created with explicitly_destroy=True and "
                               "dropped without destroy(): call destroy() on every rank before releasing it",
                               RuntimeWarning, stacklevel=2)
@@ -204,24 +211,25 @@ class Buffer:
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def destroy(self) -> None:
-        """Release the buffers (collective). Requires `explicitly_destroy=True`. Their GPU memory is free when
-        this returns, except what tensors the caller still holds view (`get_local_buffer_tensor`, a zero-copy
-        combine buffer); any later use of this Buffer raises RuntimeError."""
+        """Release the buffers (collective). Requires `explicitly_destroy=True`.
+
+        Their GPU memory is free when this returns, except what tensors the caller still holds view
+        (`get_local_buffer_tensor`, a zero-copy combine buffer); any later use of this Buffer raises RuntimeError.
+        Receive hooks not yet called are discarded (docs/DESIGN.md, "Errors")."""
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
         self._live("destroy")
         self._refuse_capture("destroy", "it waits for the GPU and the other ranks on the host")
         self._slots.reset("destroy()")
-        # after a failed collective or a timeout the ranks are out of step: release locally, without waiting
-        # for the GPU (a collective that never finishes may hold it) or for the other ranks
+        # after a failed collective or a timeout (also a GPU wait that timed out after the last call) the ranks
+        # are out of step: release locally, waiting neither for the GPU (it may never finish) nor for the ranks
         try:
             self._transport.destroy(wait_for_gpu=not self._group.broken)
-            if not self._group.broken:   # (also a GPU wait that timed out after the last call)
+            if not self._group.broken:
                 if self._group.roll_call is not None:
                     self._group.gather_at_destroy(self._mask)
                 else:
                     self._group.barrier("destroy", unmasked_ranks(self._mask, self.rank))
-        finally:   # (released even if the barrier times out)
-            # dropping the transport frees the GPU memory it owns now, not when this Buffer is collected
+        finally:   # even if the barrier times out; the transport's GPU memory goes now, not with this Buffer
             self._transport = _DestroyedTransport()
             self._nvl_buffer = self._rdma_buffer = None
             self._checked_handle = (None, {})
@@ -245,7 +253,7 @@ class Buffer:
             return
         if not capturing(self.device):
             return
-        if low_latency:   # (capturable low-latency paths returned above)
+        if low_latency:   # capturable low-latency paths returned above
             host_wait = _LOW_LATENCY_HOST_WAIT
         elif not transport.graph_capturable:
             host_wait = ("this Buffer's normal-mode calls exchange with the other ranks on the host (those of the "
@@ -258,48 +266,68 @@ class Buffer:
     # ---- class helpers ------------------------------------------------------------------------------------
     @staticmethod
     def is_sm90_compiled() -> bool:
-        """True: FP8 paths are always available (nothing is compiled ahead of time)."""
+        """Whether the FP8 paths are available: always True (nothing is compiled ahead of time)."""
         return True
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """Set the SMs the normal kernels use (even). Affects every later default config."""
+        """Set the number of SMs the normal kernels use by default.
+
+        Args:
+            new_num_sms: a positive even number; every default config made afterwards uses it (a handle must be
+                used with the `num_sms` of its dispatch)."""
         assert isinstance(new_num_sms, int) and new_num_sms % 2 == 0 and new_num_sms > 0, \
             f"The SM count must be even (and positive), got {new_num_sms}"
         Buffer.num_sms = new_num_sms
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An `EventOverlap` holding an event recorded on the current stream."""
+        """Returns an `EventOverlap` holding an event recorded on the current stream (a completed host event on
+        the CPU), e.g. for `previous_event`."""
         return EventOverlap(EventHandle())
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Bytes of `num_rdma_bytes` the low-latency mode needs (DeepEP's formula)."""
+        """The `num_rdma_bytes` a Buffer needs for low-latency calls of these sizes (DeepEP's formula).
+
+        Args:
+            num_max_dispatch_tokens_per_rank: N, the most tokens a rank passes to one low-latency call.
+            hidden: the hidden size.
+            num_ranks: the group size.
+            num_experts: the total number of experts.
+
+        Returns the size in bytes, a multiple of 128."""
         return low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        """DeepEP's tuned dispatch config for `num_ranks` (nearest tuned count for others)."""
+        """DeepEP's tuned dispatch `Config` for a group of `num_ranks` at `Buffer.num_sms` (a rank count DeepEP
+        never tuned gets the entry of the nearest tuned count above it: docs/DESIGN.md)."""
         return default_dispatch_config(num_ranks, Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        """DeepEP's tuned combine config for `num_ranks` (nearest tuned count for others)."""
+        """DeepEP's tuned combine `Config` for a group of `num_ranks`, as `get_dispatch_config`."""
         return default_combine_config(num_ranks, Buffer.num_sms)
 
     def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
-        """The communication stream (None on CPU)."""
+        """Returns the stream the normal-mode and asynchronous calls run on (None on the CPU)."""
         self._live("get_comm_stream")
         return self._comm_stream.stream
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        """A `dtype` view of this rank's raw buffer starting `offset` bytes in (a multiple of `dtype`'s size):
-        the first `size.numel()` elements reshaped to `size` when given, else every whole element to the end.
-        `use_rdma_buffer=True` views the low-latency (`num_rdma_bytes`) buffer instead of the normal-mode
-        (`num_nvl_bytes`) one."""
+        """A view of this rank's raw buffer.
+
+        Args:
+            dtype: the element type of the view.
+            size: the shape of the view (its first `size.numel()` elements); default every whole element to the end.
+            offset: bytes into the buffer where the view starts, a multiple of `dtype`'s size.
+            use_rdma_buffer: view the low-latency (`num_rdma_bytes`) buffer instead of the normal-mode
+                (`num_nvl_bytes`) one.
+
+        Returns the view (it keeps the memory alive after `destroy()`)."""
         self._live("get_local_buffer_tensor")
         raw = self._rdma_buffer if use_rdma_buffer else self._nvl_buffer
         check_int("offset", offset, minimum=0, maximum=raw.numel())
@@ -385,7 +413,7 @@ class Buffer:
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("dispatch: pass either handle (cached dispatch) or topk_idx/topk_weights, not both")
-            handle = tuple(handle) if isinstance(handle, list) else handle   # (DeepEP takes a list too)
+            handle = tuple(handle) if isinstance(handle, list) else handle   # DeepEP takes a list too
             self._check_handle("handle", handle, num_tokens, num_channels)
             self._check_nvl_capacity("dispatch", config, self._dispatch_row_bytes(data, scales, None))
             run = lambda: self._transport.cached_dispatch(data, scales, handle, num_channels)  # noqa: E731
@@ -404,7 +432,7 @@ class Buffer:
             self._check_nvl_capacity("dispatch", config, self._dispatch_row_bytes(data, scales, topk_idx),
                                      num_experts)
 
-            def check_values() -> None:   # (run by the transport on the comm stream, once it has waited)
+            def check_values() -> None:   # run by the transport on the comm stream, once it has waited
                 if topk_idx is not None:
                     check_expert_ids("topk_idx", topk_idx, num_experts)
                 if not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
@@ -459,7 +487,7 @@ class Buffer:
         num_channels = self._check_config(config)
         self._refuse_host_wait_in_capture("combine", num_channels=num_channels)
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        handle = tuple(handle) if isinstance(handle, list) else handle   # (DeepEP takes a list too)
+        handle = tuple(handle) if isinstance(handle, list) else handle   # DeepEP takes a list too
         num_tokens, num_rows = self._check_handle("handle", handle, None, num_channels)
         check_tensor("x", x, device=self.device, dtype=torch.bfloat16, shape=(num_rows, None))
         if x.shape[1] % 8:
@@ -496,23 +524,26 @@ class Buffer:
 
     # ---- low-latency mode ---------------------------------------------------------------------------------
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Reset the low-latency area for `(N, hidden, num_experts)` (collective). Receive hooks not yet
-        called are discarded (calling one afterwards raises)."""
+        """Reset the low-latency area (collective). Receive hooks not yet called are discarded (calling one
+        afterwards raises).
+
+        Args:
+            num_max_dispatch_tokens_per_rank, hidden, num_experts: the sizes of the low-latency calls that follow."""
         self._live("clean_low_latency_buffer")
         self._refuse_capture("clean_low_latency_buffer", "it waits for the GPU and the other ranks on the host")
         self._require_low_latency("clean_low_latency_buffer")
         self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._slots.reset("clean_low_latency_buffer")   # (refused here, before any collective, if a hook runs)
-        self._receive_streams = [None, None]   # (the clean waits for the GPU: nothing earlier is left to order)
+        self._slots.reset("clean_low_latency_buffer")   # refused here, before any collective, if a hook runs
+        self._receive_streams = [None, None]   # the clean waits for the GPU: nothing earlier is left to order
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # nothing of this rank in flight once the barrier passes
-        self._transport.check_low_latency_errors()   # (a GPU wait that timed out names its peer, not the barrier)
+        self._transport.check_low_latency_errors()   # a GPU wait that timed out names its peer, not the barrier
         if self._group.roll_call is not None:   # shrink mode: ranks that do not come are masked
             self._group.clean_roll_call(self._mask)
             self._transport.clean_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
             self._group.mask_absent("clean_low_latency_buffer", self._mask)
             return
-        ranks = unmasked_ranks(self._mask, self.rank)   # (ranks masked as failed may no longer call)
+        ranks = unmasked_ranks(self._mask, self.rank)   # ranks masked as failed may no longer call
         self._group.barrier("clean_low_latency_buffer", ranks)
         self._transport.clean_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._group.barrier("clean_low_latency_buffer", ranks)
@@ -553,7 +584,7 @@ class Buffer:
         self._check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens)
         if use_fp8 and hidden % 8:
             raise ValueError(f"x: hidden size must be a multiple of 8 for FP8, got {hidden}")
-        if use_fp8 and use_ue8m0 and not round_scale:   # (BF16 ignores both, as in DeepEP)
+        if use_fp8 and use_ue8m0 and not round_scale:   # BF16 ignores both, as in DeepEP
             raise ValueError("use_ue8m0=True requires round_scale=True")
         if cumulative_local_expert_recv_stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
@@ -562,7 +593,7 @@ class Buffer:
         self._check_low_latency_capacity(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._transport.check_low_latency_errors()
         half = self._slots.next_free("low_latency_dispatch")
-        # (BF16 ignores round_scale and use_ue8m0: ranks may differ in them)
+        # BF16 ignores round_scale and use_ue8m0: ranks may differ in them
         options = LowLatencyOptions(use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0)
         check_values = self._low_latency_check_values(topk_idx, num_experts)
 
@@ -570,7 +601,7 @@ class Buffer:
             result = self._transport.low_latency_dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, options, self._mask,
                 dispatch_wait_recv_cost_stats, half, return_recv_hook, check_values=check_values)
-            self._slots.take(half)   # (a call refused before it sent leaves the halves as they were)
+            self._slots.take(half)   # a call refused before it sent leaves the halves as they were
             return result
 
         def finish(out):
@@ -617,7 +648,7 @@ class Buffer:
         if zero_copy and use_logfmt:
             raise ValueError("low_latency_combine: zero_copy and use_logfmt cannot be combined")
         src_info, layout_range, num_max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
-        self._slots.check_next("low_latency_combine")   # (that misuse first: it is reported as such)
+        self._slots.check_next("low_latency_combine")   # that misuse first: it is reported as such
         receiving = self._slots.receiving(src_info)
         if receiving is not None:
             raise ValueError(f"handle: {receiving.describe()} before low_latency_combine (it returned this handle)")
@@ -648,8 +679,7 @@ class Buffer:
             self._slots.take(half)
             return result, receive
 
-        # (`result`, allocated here on the caller's stream and written on the comm stream, is marked as an input:
-        # an asynchronous call's output is otherwise only marked for the caller's stream, a no-op for its memory)
+        # `result` is allocated on the caller's stream and written on the comm stream: an input to mark for it
         _, event, hook = self._run_low_latency(launch, None, half, "low_latency_combine", async_finish,
                                                return_recv_hook, (x, topk_idx, topk_weights, result))
         if async_finish:
@@ -657,9 +687,14 @@ class Buffer:
         return result, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
-        """A bf16 `[E_loc, R*N, H]` view (row stride `H + 2 * (H // 128)`, DeepEP's `H + H/64` for multiples of
-        128, so that the rows fill the send area exactly) of the area the next low-latency combine
-        sends from: write expert outputs here and call `low_latency_combine(..., zero_copy=True)`."""
+        """The area the next low-latency combine sends from: write the expert outputs there and call
+        `low_latency_combine(..., zero_copy=True)`.
+
+        Args:
+            handle: from the `low_latency_dispatch` the combine belongs to.
+
+        Returns a bf16 `[E_loc, R*N, H]` view whose rows are `H + 2 * (H // 128)` elements apart (DeepEP's
+        `H + H/64` for multiples of 128; docs/DESIGN.md)."""
         self._live("get_next_low_latency_combine_buffer")
         self._require_low_latency("get_next_low_latency_combine_buffer")
         _, _, num_max_tokens, hidden, num_experts = self._check_low_latency_handle(handle)
@@ -667,22 +702,30 @@ class Buffer:
         return self._combine_send_view(self._slots.next_half, num_experts // self.group_size, num_max_tokens, hidden)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mark (`mask=True`) or unmark a rank as failed; low-latency calls skip masked ranks. Shrink mode only
-        (`enable_shrink=True`), as the two methods below."""
+        """Mark or unmark a rank as failed; low-latency calls skip masked ranks. Shrink mode only
+        (`enable_shrink=True`), as the two methods below.
+
+        Args:
+            rank_to_mask: the group rank.
+            mask: True marks it, False unmarks it (unmasking wants a `clean_low_latency_buffer` on every rank
+                before the next low-latency call: docs/DESIGN.md, "NVLink low-latency path")."""
         self._require_shrink("low_latency_update_mask_buffer")
         check_int("rank_to_mask", rank_to_mask, minimum=0, maximum=self.group_size - 1)
         self._mask[rank_to_mask] = 1 if mask else 0
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Copy the mask (1 = masked) into `mask_status`, an int32 tensor of `group_size` elements."""
+        """Copy the mask into `mask_status`.
+
+        Args:
+            mask_status: an int32 tensor of `group_size` elements, any layout; receives 1 per masked rank, else 0."""
         self._require_shrink("low_latency_query_mask_buffer")
         check_tensor("mask_status", mask_status, device=mask_status.device, dtype=torch.int32, contiguous=False)
         if mask_status.numel() != self.group_size:
             raise ValueError(f"mask_status must have {self.group_size} elements, got {mask_status.numel()}")
-        mask_status.copy_(self._mask.view(mask_status.shape))   # (any layout of mask_status)
+        mask_status.copy_(self._mask.view(mask_status.shape))
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank."""
+        """Unmask every rank (as unmasking one rank, it wants a `clean_low_latency_buffer` afterwards)."""
         self._require_shrink("low_latency_clean_mask_buffer")
         self._mask.zero_()
 
@@ -690,8 +733,15 @@ class Buffer:
     def _run_low_latency(self, launch, finish, half: int, name: str, async_finish: bool, return_recv_hook: bool,
                          inputs: tuple):
         """Launch, then either return a hook, or receive at once on the comm stream (async) / current stream."""
+
+        def receive_and_finish(out, receive):
+            receive()
+            if finish is not None:
+                finish(out)
+            return out
+
         ordered = self.device.type == "cuda" and not capturing(self.device)
-        if ordered:   # (inside a CUDA-graph capture the captured order holds)
+        if ordered:   # inside a CUDA-graph capture the captured order holds
             self._order_after_last_receive(half, return_recv_hook)
         if return_recv_hook:
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -706,34 +756,21 @@ class Buffer:
             else:
                 out, receive = without_autograd(launch)
 
-            def receive_and_finish():
-                receive()
-                if finish is not None:
-                    finish(out)
-
             def complete():
                 if stream is None:
-                    without_autograd(receive_and_finish)
+                    without_autograd(lambda: receive_and_finish(out, receive))
                     return
                 with torch.cuda.stream(stream):   # also when the hook runs on another thread
-                    without_autograd(receive_and_finish)
+                    without_autograd(lambda: receive_and_finish(out, receive))
 
-            # (the hook refers to nothing that refers to this Buffer: a Buffer dropped with hooks never called
-            # goes at once, as do the hooks; a hook still held keeps only the transport)
+            # Note [hooks hold no Buffer]
             device = self.device
             hook = ReceiveHook(complete, name, None if self._transport.low_latency_graph_capturable else (
                 lambda: _refuse_capture(device, f"the receive hook of {name}", _LOW_LATENCY_HOST_WAIT)))
             self._slots.hold(half, hook)
             return out, EventOverlap(None), hook
 
-        def run():
-            result, receive = launch()
-            receive()
-            if finish is not None:
-                finish(result)
-            return result
-
-        out, event = self._comm_stream.run(run, inputs, None, async_finish)
+        out, event = self._comm_stream.run(lambda: receive_and_finish(*launch()), inputs, None, async_finish)
         self._low_latency_async = async_finish
         return out, event, None
 
@@ -782,7 +819,7 @@ class Buffer:
 
     def _check_low_latency_capacity(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
         self._check_num_experts(num_experts)
-        needed = low_latency_area_bytes(num_max_tokens, hidden, num_experts)   # (what DeepEP asserts)
+        needed = low_latency_area_bytes(num_max_tokens, hidden, num_experts)   # what DeepEP asserts
         if self.num_rdma_bytes < needed:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for low-latency calls with N="
                              f"{num_max_tokens}, hidden={hidden}, num_experts={num_experts}: need >= {needed} "
@@ -869,7 +906,7 @@ class Buffer:
                          contiguous=False)
             if scales.shape[0] != data.shape[0]:
                 raise ValueError(f"x[1] (scales) must have {data.shape[0]} rows, got {scales.shape[0]}")
-            if scales.shape[1] == 0:   # (any other count: the scales are moved, never interpreted)
+            if scales.shape[1] == 0:   # any other count will do: scales are moved, never interpreted
                 raise ValueError("x[1] (scales): at least one scale per token, got 0")
         else:
             data, scales = check_tensor("x", x, device=self.device, dim=2), None
@@ -922,36 +959,44 @@ class Buffer:
             raise ValueError(f"{name} must be the {expected_len}-tuple returned by a non-cached dispatch of this Buffer")
         if not all(isinstance(t, torch.Tensor) for t in handle):
             raise ValueError(f"{name} must be the {expected_len}-tuple of tensors returned by a non-cached dispatch")
-        is_token_in_rank = handle[0] if topo.is_internode else handle[4]
-        if isinstance(is_token_in_rank, torch.Tensor) and is_token_in_rank.dim() == 2 and num_tokens is not None \
-                and is_token_in_rank.shape[0] != num_tokens:
+        # the prefix tensors as (position in the handle, tensor, expected shape), and the tensor with a row per
+        # received row
+        if topo.is_internode:
+            (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix,
+             recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta,
+             _send_rdma_head, _send_nvl_head) = handle
+            prefixes = ((1, rdma_channel_prefix_matrix, (topo.num_nodes, num_channels)),
+                        (2, gbl_channel_prefix_matrix, (num_ranks, num_channels)),
+                        (3, recv_rdma_channel_prefix_matrix, (topo.num_nodes, num_channels)),
+                        (4, recv_rdma_rank_prefix_sum, (topo.num_nodes,)),
+                        (5, recv_gbl_channel_prefix_matrix, (num_ranks, num_channels)),
+                        (6, recv_gbl_rank_prefix_sum, (num_ranks,)))
+            received_rows = recv_src_meta
+        else:
+            (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
+             _send_head) = handle
+            prefixes = ((0, rank_prefix_matrix, (num_ranks, num_ranks)),
+                        (1, channel_prefix_matrix, (num_ranks, num_channels)),
+                        (2, recv_channel_prefix_matrix, (num_ranks, num_channels)))
+            received_rows = recv_src_idx
+        if is_token_in_rank.dim() == 2 and num_tokens is not None and is_token_in_rank.shape[0] != num_tokens:
             raise ValueError(f"x has {num_tokens} tokens but the dispatch that made {name} had "
                              f"{is_token_in_rank.shape[0]}: pass the tokens of that batch")
         check_tensor(f"{name} (is_token_in_rank)", is_token_in_rank, device=self.device, dtype=torch.bool,
                      shape=(num_tokens, num_ranks))
-        if topo.is_internode:
-            prefix_shapes = [(1, (topo.num_nodes, num_channels)), (2, (num_ranks, num_channels)),
-                             (3, (topo.num_nodes, num_channels)), (4, (topo.num_nodes,)), (5, (num_ranks, num_channels)),
-                             (6, (num_ranks,))]
-            rows_tensor = handle[7]
-        else:
-            prefix_shapes = [(0, (num_ranks, num_ranks)), (1, (num_ranks, num_channels)), (2, (num_ranks, num_channels))]
-            rows_tensor = handle[3]
-        for index, shape in prefix_shapes:
-            tensor = handle[index]
-            if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and len(shape) == 2 and \
-                    tensor.shape[0] == shape[0] and tensor.shape[1] != shape[1]:
+        for index, tensor, shape in prefixes:
+            if tensor.dim() == 2 and len(shape) == 2 and tensor.shape[0] == shape[0] and tensor.shape[1] != shape[1]:
                 raise ValueError(f"{name} was made with config.num_sms={2 * tensor.shape[1]} but this call uses "
                                  f"num_sms={2 * num_channels}; use the same num_sms for a handle's dispatch, cached "
                                  "dispatches and combines")
             check_tensor(f"{name}[{index}]", tensor, device=self.device, dtype=torch.int32, shape=shape)
-        if not isinstance(rows_tensor, torch.Tensor) or rows_tensor.dim() < 1:
+        if received_rows.dim() < 1:
             raise ValueError(f"{name} does not hold the received rows")
-        if not topo.is_internode:   # (the NVLink combine reads the source token of every received row)
-            check_tensor(f"{name}[3] (recv_src_idx)", rows_tensor, device=self.device, dtype=torch.int32, dim=1)
+        if not topo.is_internode:   # the NVLink combine reads the source token of every received row
+            check_tensor(f"{name}[3] (recv_src_idx)", recv_src_idx, device=self.device, dtype=torch.int32, dim=1)
         if checked is not handle:
             self._checked_handle = (handle, {})
-        result = (is_token_in_rank.shape[0], rows_tensor.shape[0])
+        result = (is_token_in_rank.shape[0], received_rows.shape[0])
         self._checked_handle[1][(num_tokens, num_channels)] = result
         return result
 

@@ -17,7 +17,7 @@ def check_tensor(name: str, value, *, device: torch.device, dtype: Optional[Dtyp
     """Raise TypeError/ValueError unless `value` is a tensor as described (None in `shape` = any size)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    # (each test starts with the comparison that holds for valid arguments: these checks run on every call)
+    # each test starts with the comparison that holds for valid arguments: these checks run on every call
     if dtype is not None and value.dtype != dtype and not (isinstance(dtype, tuple) and value.dtype in dtype):
         expected = " or ".join(str(d) for d in dtype) if isinstance(dtype, tuple) else str(dtype)
         raise TypeError(f"{name} must have dtype {expected}, got {value.dtype}")

@@ -78,7 +78,14 @@ class Config:
                 f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of `num_nvl_bytes` DeepEP needs for `hidden_bytes` per token (`hidden * max(elem_size, 2)`)."""
+        """The `num_nvl_bytes` DeepEP needs for this config (DeepEP's formula); every call with this config and
+        rows of at most `hidden_bytes` accepts a buffer of that size.
+
+        Args:
+            hidden_bytes: bytes of a token's row, `hidden * max(element size, 2)`.
+            num_ranks: the group size.
+
+        Returns the size in bytes, a multiple of 128."""
         _check_positive("hidden_bytes", hidden_bytes)
         _check_positive("num_ranks", num_ranks)
         num_rdma_ranks = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
@@ -96,8 +103,14 @@ class Config:
         return _round_up(total, 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of `num_rdma_bytes` DeepEP needs for the normal internode kernels (0 for up to 8 ranks,
-        DeepEP's node)."""
+        """The `num_rdma_bytes` DeepEP's normal internode kernels need for this config (DeepEP's formula; this
+        library needs none for normal mode).
+
+        Args:
+            hidden_bytes: bytes of a token's row, `hidden * max(element size, 2)`.
+            num_ranks: the group size.
+
+        Returns the size in bytes, a multiple of 128 (0 for up to 8 ranks, DeepEP's node)."""
         _check_positive("hidden_bytes", hidden_bytes)
         _check_positive("num_ranks", num_ranks)
         if num_ranks <= NUM_MAX_NVL_PEERS:
@@ -145,27 +158,22 @@ _COMBINE_TABLE = {
 }
 
 
-def _nearest_entry(table: dict, num_ranks: int) -> tuple:
-    # No whitelist: a rank count DeepEP never tuned gets the entry of the nearest tuned count above it (above
-    # the largest, the largest's).
-    for known in sorted(table):
-        if known >= num_ranks:
-            return table[known]
-    return table[max(table)]
+def _tuned_config(table: dict, num_ranks: int, num_sms: int) -> Config:
+    """The `Config` of `table` for `num_ranks` at `num_sms`. No whitelist: a rank count DeepEP never tuned gets
+    the entry of the nearest tuned count above it (above the largest, the largest's)."""
+    _check_positive("num_ranks", num_ranks)
+    known = next((count for count in sorted(table) if count >= num_ranks), max(table))
+    return Config(num_sms, *table[known])
 
 
 def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
-    """DeepEP's tuned dispatch `Config` for `num_ranks` (the nearest tuned count above it;
-    above 160, the 160 entry) at `num_sms`."""
-    _check_positive("num_ranks", num_ranks)
-    return Config(num_sms, *_nearest_entry(_DISPATCH_TABLE, num_ranks))
+    """DeepEP's tuned dispatch `Config` for `num_ranks` at `num_sms` (`_tuned_config`)."""
+    return _tuned_config(_DISPATCH_TABLE, num_ranks, num_sms)
 
 
 def default_combine_config(num_ranks: int, num_sms: int) -> Config:
-    """DeepEP's tuned combine `Config` for `num_ranks` (the nearest tuned count above it;
-    above 160, the 160 entry) at `num_sms`."""
-    _check_positive("num_ranks", num_ranks)
-    return Config(num_sms, *_nearest_entry(_COMBINE_TABLE, num_ranks))
+    """DeepEP's tuned combine `Config` for `num_ranks` at `num_sms` (`_tuned_config`)."""
+    return _tuned_config(_COMBINE_TABLE, num_ranks, num_sms)
 
 
 def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:

@@ -114,8 +114,8 @@ def logfmt_roundtrip(x: torch.Tensor) -> torch.Tensor:
     amin = torch.where(channel < hidden, mag, torch.full_like(mag, float("inf"))).amin(-1, keepdim=True)
     log_amax = torch.log2(amax)
     log_amin = torch.maximum(torch.log2(amin), log_amax - 32)
-    # multiplied by the float32 reciprocal, not divided: the same bits on CPU and CUDA (CUDA's division by a
-    # Python number multiplies by its reciprocal) and in the NVLink kernel
+    # multiplied by the float32 reciprocal, not divided, as CUDA divides by a Python number: the same bits on
+    # CPU, CUDA and in the NVLink kernel
     step = (log_amax - log_amin) * torch.tensor(1.0 / _LOGFMT_CODES, dtype=torch.float32, device="cpu")
     safe_step = torch.where(step > 0, step, torch.ones_like(step))
     position = (torch.log2(mag) - log_amin) / safe_step

@@ -101,7 +101,7 @@ class Group:
             return None
         try:
             return self.group._get_backend(self._collective_device()).options._timeout.total_seconds()
-        except Exception:   # (private API: absent in some torch versions and for some backends)
+        except Exception:   # private API: absent in some torch versions and for some backends
             return None
 
     # ---- object collectives (construction time) -----------------------------------------------------
@@ -113,9 +113,9 @@ class Group:
             return list(self.comm.allgather(obj))
         data = pickle.dumps(obj)
         sizes = self.gather_ints(len(data), f"{what} (sizes)")
-        padded = torch.zeros(max(sizes), dtype=torch.uint8, device="cpu")   # (not a default device the caller set)
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device="cpu")   # not a default device the caller set
         padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        gathered = self.all_gather(padded, what)   # (on the CPU, as `padded`)
+        gathered = self.all_gather(padded, what)   # on the CPU, as `padded`
         return [pickle.loads(gathered[rank, :size].numpy().tobytes()) for rank, size in enumerate(sizes)]
 
     def ranks_per_node_of(self, hosts: List[int]) -> int:
@@ -182,7 +182,7 @@ class Group:
         except AbsentError as error:
             self._broken = what
             raise CommTimeoutError(f"rank {self.rank}: {what}: {error}; this Buffer cannot be used any more") from None
-        except RuntimeError as error:   # (the store's own errors)
+        except RuntimeError as error:   # the store's own errors
             self._broken = what
             raise RuntimeError(f"rank {self.rank}: {what}: the rendezvous store failed ({str(error).strip()}); if "
                                "the rank that hosts it is gone, it cannot be masked; this Buffer cannot be used any "
@@ -208,8 +208,8 @@ class Group:
                         f"reach destroy within {self.timeout_s:g} s (enable_shrink)")
 
     # ---- tensor collectives ---------------------------------------------------------------------------
-    # `ranks`: only these ranks take part (low-latency calls skip the ranks a shrink mask marks failed, which
-    # may no longer call at all); they exchange point to point, and every one of them must pass the same list.
+    # `ranks`: only these ranks take part, point to point, each passing the same list (low-latency calls skip the
+    # ranks a shrink mask marks failed: they may no longer call at all).
     def all_gather(self, tensor: torch.Tensor, what: str, ranks: Optional[Sequence[int]] = None) -> torch.Tensor:
         """All ranks' `tensor` stacked along a new first dim (with `ranks`, zeros for the others)."""
         self._check_usable()
@@ -237,7 +237,7 @@ class Group:
         self._check_usable()
         if not output.is_contiguous():
             raise ValueError("all_to_all: output must be contiguous")
-        # (with `ranks` the blocks of the other ranks are not received: staged with the output's contents)
+        # with `ranks` the blocks of the other ranks are not received: staged with the output's contents
         staged_out = self._stage(rows_as_bytes(output), empty=ranks is None)
         staged_in = self._stage(rows_as_bytes(input.contiguous()))
         if ranks is None:
@@ -265,7 +265,7 @@ class Group:
         if ranks is not None:
             self.all_gather(torch.zeros(1, dtype=torch.int32, device=self._collective_device()), what, ranks)
             return
-        # (a rank that skipped exchanges while others masked it, e.g. their clean, catches up here)
+        # a rank that skipped exchanges while others masked it, e.g. their clean, catches up here
         tags = torch.tensor([self._tag], dtype=torch.int64, device=self._collective_device())
         with self._starting(what):
             work = dist.all_reduce(tags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
@@ -334,7 +334,7 @@ class Group:
             if time.monotonic() > deadline:
                 raise _Expired()
             time.sleep(0)
-        work.wait()  # (on the GPU: orders the current stream after the collective)
+        work.wait()  # on the GPU: orders the current stream after the collective
 
     def _unfinished(self, works: Sequence[Tuple[dist.Work, Optional[Sequence[int]]]], expired: int,
                     on_gpu: bool) -> Optional[List[int]]:
@@ -431,7 +431,7 @@ def _roll_call_peers(mask: List[int], rank: int) -> List[int]:
 def warn_caller(message: str) -> None:
     """A RuntimeWarning attributed to the first caller outside this package."""
     package = __name__.rsplit(".", 1)[0]
-    frame, level = sys._getframe(1), 2   # (stacklevel 2: the function that called this one)
+    frame, level = sys._getframe(1), 2   # stacklevel 2: the function that called this one
     while frame is not None and frame.f_globals.get("__name__", "").startswith(package + "."):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, RuntimeWarning, stacklevel=level)
@@ -467,7 +467,7 @@ class PendingAllToAll:
         """The output, once every part of the exchange has completed (one deadline for all of them; each work
         with the ranks it waits on, None: every other rank)."""
         if not self.done:
-            self.group._check_not_broken()   # (after a failed wait: at once, not after another timeout)
+            self.group._check_not_broken()   # after a failed wait: at once, not after another timeout
             self.group.wait(self.works, self.what, self.staged)
             target = rows_as_bytes(self.output)
             if target.data_ptr() != self.staged.data_ptr():

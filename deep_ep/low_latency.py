@@ -54,7 +54,7 @@ class ReceiveHook:
         return f"the receive hook of {self._name} {state}"
 
     def __call__(self) -> None:
-        check = self._check   # (read once: another thread may release it)
+        check = self._check   # read once: another thread may release it
         if check is not None:
             check()
         with self._lock:
@@ -66,7 +66,7 @@ class ReceiveHook:
         try:
             if torch.is_inference_mode_enabled() == self._inference_mode:
                 self._receive()
-            else:   # (the receive itself turns grad mode off, which leaving inference mode turns on)
+            else:   # the receive itself turns grad mode off, which leaving inference mode turns on
                 with torch.inference_mode(self._inference_mode):
                     self._receive()
         finally:

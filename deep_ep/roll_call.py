@@ -79,8 +79,8 @@ class RollCall:
             self._arrive(name, number, bits)
             missing, records = self._read(name, peers)
             masks = {peer: _masked(record) for peer, record in records.items() if record != ABSENT}
-            # the ranks that hold this clean: those that came and that no one who came has masked (another rank
-            # that sat it out and comes back now does not count)
+            # the ranks that hold this clean: those that came and that no one who came has masked (not another
+            # rank that sat it out and comes back now)
             holders = [peer for peer in masks if not any(peer in other for other in masks.values())]
             if not holders or not all(self.rank in masks[peer] for peer in holders):
                 break
@@ -144,7 +144,7 @@ def _masked(record: bytes) -> Set[int]:
 def _get_all(store, keys: List[str]) -> List[bytes]:
     if not keys:
         return []
-    if hasattr(store, "multi_get"):   # (one round trip; newer torch)
+    if hasattr(store, "multi_get"):   # one round trip; newer torch
         return list(store.multi_get(keys))
     return [store.get(key) for key in keys]
 
@@ -152,7 +152,7 @@ def _get_all(store, keys: List[str]) -> List[bytes]:
 def _delete(store, key: str) -> None:
     try:
         store.delete_key(key)
-    except (RuntimeError, NotImplementedError):   # (a store without deletion keeps the key)
+    except (RuntimeError, NotImplementedError):   # a store without deletion keeps the key
         pass
 
 

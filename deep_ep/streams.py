@@ -1,4 +1,14 @@
-"""Running a transport call on the communication stream with DeepEP's event semantics."""
+"""Running a transport call on the communication stream with DeepEP's event semantics.
+
+Note [outputs on the caller's stream]: outputs allocated on the comm stream must be marked as used by the
+caller's stream (`record_stream`), and the caching allocator then records an event at every free and queries it
+at later allocations, a real part of a short call's host time. An output allocated on the caller's stream needs
+no mark when the comm stream's work is ordered after everything queued on the caller's stream so far (it waited
+for it) and the caller's stream waits for the call: a freed output's memory is then reused on the caller's
+stream only, after the call's kernels. That holds for a synchronous call without `previous_event`, with
+PyTorch's native caching allocator (under cudaMallocAsync an allocation is itself work ordered on its stream)
+and while torch does not fill new memory (`fills_new_memory`). See also docs/DESIGN.md, "Streams".
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -34,9 +44,9 @@ def _field_names(cls: type) -> Tuple[str, ...]:
 
 
 def _event_method(name: str) -> Callable[..., None]:
-    """The C function behind torch.cuda.Event.`name`, called as (event, stream); its Python wrapper costs
-    several times more host time, a good part of a short call's. Builds without it (CPU-only builds define
-    the class empty) get the wrapper, which takes the same arguments."""
+    """The C function behind torch.cuda.Event.`name`, called as (event, stream), without the host time of its
+    Python wrapper. Builds without it (CPU-only builds define the class empty) get the wrapper, which takes the
+    same arguments."""
     return getattr(getattr(torch._C, "_CudaEventBase", None), name, None) or getattr(torch.cuda.Event, name)
 
 
@@ -56,18 +66,8 @@ T = TypeVar("T")
 
 def allocate_outputs(make: Callable[[], T]) -> T:
     """`make()`, which allocates a call's output tensors and queues nothing on the GPU (no fill: work queued
-    there would not be ordered with the call's kernels): on the caller's stream while CommStream.run runs a
-    synchronous call that waits for that stream (as DeepEP allocates), with PyTorch's native caching allocator
-    and while torch does not fill new memory (`fills_new_memory`); else on the current stream. (With the
-    cudaMallocAsync backend an allocation is itself work ordered on its stream, which the comm stream, having
-    waited before it, would not be ordered after.)
-
-    Outputs allocated on the comm stream are marked as used by the caller's stream (`record_stream`), and the
-    caching allocator then records an event at every free and queries it at later allocations: several
-    microseconds per tensor, a good part of a short call's host time. An output allocated on the caller's
-    stream needs no mark when the comm stream's work is ordered after everything queued on the caller's stream
-    so far (it waited for it) and the caller's stream waits for the call: a freed output's memory is reused on
-    the caller's stream only, after the call's kernels."""
+    there would not be ordered with the call's kernels): on the caller's stream where CommStream.run allows it
+    (Note [outputs on the caller's stream]), as DeepEP allocates; else on the current stream."""
     streams = _output_streams.streams
     if streams is None:
         return make()
@@ -87,8 +87,8 @@ def fills_new_memory() -> bool:
 def without_autograd(fn: Callable[[], Any]) -> Any:
     """`fn()` with grad mode off, so that its outputs carry no autograd history, as DeepEP's (inputs that
     require grad, e.g. top-k weights, would otherwise give some outputs a grad_fn on the transports that
-    compute with torch). Costs nothing where grad mode is off already (inference, autograd.Function.forward);
-    a `torch.no_grad()` block would cost several microseconds a call."""
+    compute with torch). Costs nothing where grad mode is off already, and less host time than a
+    `torch.no_grad()` block elsewhere."""
     if not torch.is_grad_enabled():
         return fn()
     torch._C._set_grad_enabled(False)
@@ -142,17 +142,18 @@ class CommStream:
             async_finish: bool, validate: Optional[Callable[[], None]] = None) -> Tuple[Any, EventOverlap]:
         """Run `fn` on the comm stream after `previous_event` (or the current stream's work so far).
 
-        `validate` checks input values first, on the comm stream once it has waited: inputs produced by an
-        earlier asynchronous call are only complete from there.
+        Args:
+            fn: the call; it runs without autograd (`without_autograd`).
+            inputs: the call's tensors (nested), kept alive and marked for the comm stream by an asynchronous call.
+            previous_event, async_finish: as in `Buffer.dispatch`.
+            validate: checks input values first, on the comm stream once it has waited: inputs produced by an
+                earlier asynchronous call are only complete from there.
 
-        Outputs are allocated on the comm stream and marked as used by the calling stream (also inside a
-        CUDA-graph capture, where the allocator then keeps a freed output's memory for the rest of the capture,
-        so that a later call of the capture, ordered only after an earlier event, cannot get it while the
-        caller's stream still reads it), except those `fn` allocates through `allocate_outputs` in a synchronous
-        call without `previous_event`, which belong to the caller's stream (see `allocate_outputs` for when). With
-        `async_finish` the caller's stream does not wait and the returned overlap holds the event; otherwise the
-        caller's stream waits and the overlap's event is None, also when `fn` raises. `fn` runs without autograd
-        (`without_autograd`)."""
+        Returns `(fn's result, EventOverlap)`: with `async_finish` the caller's stream does not wait and the
+        overlap holds the event; otherwise the caller's stream waits (also when `fn` raises) and its event is None.
+        Outputs are allocated on the comm stream and marked as used by the calling stream (also inside a CUDA-graph
+        capture, where the allocator then keeps a freed output's memory out of the rest of the capture), except
+        those `fn` allocates through `allocate_outputs` (Note [outputs on the caller's stream])."""
         return without_autograd(lambda: self._run(fn, inputs, previous_event, async_finish, validate))
 
     def _run(self, fn: Callable[[], Any], inputs: Tuple[Any, ...], previous_event: Optional[EventOverlap],
@@ -170,8 +171,8 @@ class CommStream:
         else:
             _wait(previous_event.event.event, self.stream)
         caller_device = torch._C._cuda_getDevice()
-        torch._C._cuda_setStream(*self.stream_ids)   # (this also makes the Buffer's device current)
-        # (allocate_outputs says when the caller's stream may hold outputs)
+        torch._C._cuda_setStream(*self.stream_ids)   # this also makes the Buffer's device current
+        # Note [outputs on the caller's stream]
         outputs_on_caller = after_caller and not async_finish and self._native_allocator and not fills_new_memory()
         if outputs_on_caller:
             _output_streams.streams = (compute_id, self.stream_ids)

@@ -6,10 +6,17 @@ a gloo group, CUDA tensors on an NCCL group, one node or many). Per call it runs
      different shapes or different operations all get a clear error instead of a garbled exchange;
   2. an all-to-all of small count vectors (splits, per-expert counts, channel counts) unless the handle
      already holds them;
-  3. the data: the rows of x in one all-to-all, straight into the output, and the small per-row fields
-     (scales, top-k ids, weights, metadata) packed into a second one;
+  3. the data (Note [rows travel alone]);
 and then places the rows with vectorised index operations. Counts go to the host (`tolist`) to size the
 variable all-to-all, so this transport always synchronises the host; that is its price, not its contract.
+
+Note [rows travel alone]: the rows of x go in an all-to-all of their own, straight into the output where they
+can, with no packing copy; the small per-row fields (scales, top-k ids, weights, metadata) travel packed beside
+them in a second one.
+
+Note [handle routes]: a dispatch keeps the route of its rows (`_Route`) under the handle's tensor with a row per
+received row, so that its cached dispatches and combines need no host reads besides their own exchanges; a
+handle without one (made by another Buffer) gets it rebuilt from its tensors.
 """
 from __future__ import annotations
 
@@ -27,13 +34,13 @@ from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
 # rows are selected as integers of their element size: index_select has no kernel for some dtypes (float8,
-# unsigned ints in older releases), and 16-bit integers are several times faster than 16-bit floats on CPUs
+# unsigned ints in older releases), and is faster for 16-bit integers than for 16-bit floats on CPUs
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`t.index_select(0, index)` for any dtype (rows moved as integers, except for tensors with autograd history)."""
-    wider = t.element_size() == 16   # (viewed as twice as many int64: needs a contiguous last dim)
+    wider = t.element_size() == 16   # viewed as twice as many int64: needs a contiguous last dim
     if t.requires_grad or (wider and t.stride(-1) != 1):
         return t.index_select(0, index)
     return t.view(_INT_OF_SIZE[t.element_size()]).index_select(0, index).view(t.dtype)
@@ -99,8 +106,7 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 class _Route(NamedTuple):
-    """Where the rows of one dispatch went, kept with its handle for its cached dispatches and combines (so
-    that they need no host reads besides their own exchanges)."""
+    """Where the rows of one dispatch went: Note [handle routes]."""
     destination: torch.Tensor   # destination rank of each row sent, rows in (destination, token) order
     token: torch.Tensor         # source token of each row sent
     send_splits: List[int]      # rows sent to each rank
@@ -117,21 +123,31 @@ def _route(is_token_in_rank: torch.Tensor, recv_splits: Sequence[int],
     return _Route(destination, token, [int(n) for n in send_splits], [int(n) for n in recv_splits])
 
 
+def _routing(handle: tuple, internode: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A handle's `is_token_in_rank` and its tensor with a row per received row (recv_src_meta / recv_src_idx)."""
+    if internode:
+        is_token_in_rank, *_, recv_src_meta, _send_rdma_head, _send_nvl_head = handle
+        return is_token_in_rank, recv_src_meta
+    _rank_prefix_matrix, _channel_prefix_matrix, _recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, \
+        _send_head = handle
+    return is_token_in_rank, recv_src_idx
+
+
 class ReferenceTransport(Transport):
     name = "reference"
 
     def __init__(self, group: Group, topology: Topology, device: torch.device) -> None:
         super().__init__(group, topology, device)
         self._call_number = 0
-        self._routes: Dict[int, _Route] = {}   # id(handle's received-rows tensor) -> route, forgotten with it
+        self._routes: Dict[int, _Route] = {}   # Note [handle routes]: forgotten with the handle's tensor
 
     def _route_of(self, handle) -> _Route:
         """The route of a handle: kept from its dispatch, else rebuilt from the handle (host reads)."""
-        key = handle[7] if self.topology.is_internode else handle[3]
-        route = self._routes.get(id(key))
+        is_token_in_rank, received_rows = _routing(handle, self.topology.is_internode)
+        route = self._routes.get(id(received_rows))
         if route is None:
-            route = _route(handle[0] if self.topology.is_internode else handle[4], self._recv_per_source(handle))
-            self._remember(key, route)
+            route = _route(is_token_in_rank, self._recv_per_source(handle))
+            self._remember(received_rows, route)
         return route
 
     def _remember(self, key: torch.Tensor, route: _Route) -> None:
@@ -214,6 +230,23 @@ class ReferenceTransport(Transport):
         recv = packed.new_empty((sum(recv_splits), packed.shape[1]))
         return self.group.all_to_all(recv, packed, recv_splits, send_splits, what, ranks)
 
+    def _exchange_rows_and_fields(self, rows: torch.Tensor, packer: "_Packer", send_splits: Sequence[int],
+                                  recv_splits: Sequence[int], what: str, ranks: Optional[List[int]]
+                                  ) -> Callable[[], Tuple[torch.Tensor, Dict[str, torch.Tensor], int]]:
+        """Start exchanging `rows` and the per-row fields of `packer` (Note [rows travel alone]). Returns the
+        wait: (received rows, received fields by name, nanoseconds it waited)."""
+        pending_rows = self._exchange_rows(rows, send_splits, recv_splits, what, ranks)
+        pending_fields = self._exchange_rows(packer.pack(rows.shape[0], rows.device), send_splits, recv_splits,
+                                             what, ranks)
+
+        def wait() -> Tuple[torch.Tensor, Dict[str, torch.Tensor], int]:
+            started = _now_ns()
+            fields = pending_fields.wait()
+            received = pending_rows.wait()
+            waited = _now_ns() - started
+            return received, packer.unpack(fields), waited
+        return wait
+
     # ---- layout -------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
         topo = self.topology
@@ -277,7 +310,7 @@ class ReferenceTransport(Transport):
         aligned = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
         num_rows = num_worst_tokens or num_recv
 
-        # (num_tokens_per_rank, the column sums of is_token_in_rank, came to the host with the header)
+        # num_tokens_per_rank, the column sums of is_token_in_rank, came to the host with the header
         route = _route(is_token_in_rank, recv_per_source.tolist(), gathered_per_rank[topo.rank, :num_ranks].tolist())
         route = route._replace(dispatch=self._call_number)
         recv = self._exchange_dispatch_rows(x, x_scales, topk_idx, topk_weights, is_token_in_rank, route, num_rows,
@@ -300,15 +333,14 @@ class ReferenceTransport(Transport):
                                                 recv_channel_counts, rank_prefix_matrix, recv, num_recv, num_rows,
                                                 is_token_in_rank, experts_per_rank, num_channels,
                                                 worst_rows=num_worst_tokens)
-        self._remember(out.handle[7] if topo.is_internode else out.handle[3], route)
+        self._remember(_routing(out.handle, topo.is_internode)[1], route)
         out.num_recv_tokens_per_expert_list = [] if num_worst_tokens else aligned.tolist()
         return out
 
     def _exchange_dispatch_rows(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, route: _Route,
                                 num_rows, what, with_token, with_node_mask):
-        """Send token t to every rank d with is_token_in_rank[t, d], in (d, t) order. The rows of x travel alone,
-        straight into the first rows of the returned `x` (`num_rows` rows); the small per-row fields, if any,
-        packed in a second exchange. Returns them unpacked."""
+        """Send token t to every rank d with is_token_in_rank[t, d], in (d, t) order (Note [rows travel alone]).
+        Returns the received fields by name; `x` has `num_rows` rows, the received ones first."""
         destination, token = route.destination, route.token
         num_recv = sum(route.recv_splits)
         recv_x = x.new_empty((num_rows, x.shape[1]))
@@ -410,32 +442,34 @@ class ReferenceTransport(Transport):
 
     # ---- cached dispatch --------------------------------------------------------------------------------
     def cached_dispatch(self, x, x_scales, handle, num_channels):
-        topo = self.topology
-        is_token_in_rank = handle[0] if topo.is_internode else handle[4]
+        is_token_in_rank, received_rows = _routing(handle, self.topology.is_internode)
         route = self._route_of(handle)
         self._agree_on_route("dispatch (cached)", dispatch_fields(x, x_scales, None, num_channels), route)
         num_recv = sum(route.recv_splits)
-        num_rows = (handle[7] if topo.is_internode else handle[3]).shape[0]
+        num_rows = received_rows.shape[0]
         recv = self._exchange_dispatch_rows(x, x_scales, None, None, is_token_in_rank, route, num_rows,
                                             "cached dispatch (data exchange)", with_token=False, with_node_mask=False)
         return self._place_rows(recv, x, x_scales, None, None, num_recv, num_rows, 0)
 
     def _recv_per_source(self, handle) -> List[int]:
+        """Rows received from each source rank, from the handle's inclusive prefix over source ranks."""
         topo = self.topology
         if topo.is_internode:
-            inclusive = handle[6].to("cpu", torch.int64)
+            *_, recv_gbl_rank_prefix_sum, _recv_src_meta, _send_rdma_head, _send_nvl_head = handle
+            inclusive = recv_gbl_rank_prefix_sum.to("cpu", torch.int64)
         else:
-            inclusive = handle[0][:, topo.rank].to("cpu", torch.int64)
-        return (inclusive - torch.cat([inclusive.new_zeros(1), inclusive[:-1]])).tolist()
+            rank_prefix_matrix, *_ = handle
+            inclusive = rank_prefix_matrix[:, topo.rank].to("cpu", torch.int64)
+        return torch.diff(inclusive, prepend=inclusive.new_zeros(1)).tolist()
 
     # ---- combine ----------------------------------------------------------------------------------------
     def combine(self, x, handle, topk_weights, biases, num_channels):
         topo = self.topology
-        is_token_in_rank = handle[0] if topo.is_internode else handle[4]
+        is_token_in_rank, _ = _routing(handle, topo.is_internode)
         num_tokens = is_token_in_rank.shape[0]
         route = self._route_of(handle)
         topk = -1 if topk_weights is None else topk_weights.shape[1]
-        # (the biases are this rank's own, added after the exchange: ranks may differ in passing them)
+        # the biases are this rank's own, added after the exchange: ranks may differ in passing them
         self._agree_on_route("combine", dict(hidden=x.shape[1], topk=topk, num_channels=num_channels), route)
         recv_per_source, send_back = route.recv_splits, route.send_splits
         num_recv = sum(recv_per_source)
@@ -459,23 +493,23 @@ class ReferenceTransport(Transport):
         combined_weights = None
         if topk_weights is not None:
             combined_weights = torch.zeros((num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
-        bounds = [0, *itertools.accumulate(send_back)]   # (rows go to f32 one source at a time: less memory)
-        if not topo.is_internode:
-            for d in range(topo.num_ranks):
+        bounds = [0, *itertools.accumulate(send_back)]
+
+        def add_rows_of(sources, into: torch.Tensor, into_weights: Optional[torch.Tensor]) -> None:
+            for d in sources:   # one source's rows go to f32 at a time: less memory
                 part = slice(bounds[d], bounds[d + 1])
-                combined.index_add_(0, token[part], values[part].float())
+                into.index_add_(0, token[part], values[part].float())
                 if weights is not None:
-                    combined_weights.index_add_(0, token[part], weights[part])
+                    into_weights.index_add_(0, token[part], weights[part])
+
+        if not topo.is_internode:
+            add_rows_of(range(topo.num_ranks), combined, combined_weights)
         else:
             in_node = is_token_in_rank.view(-1, topo.num_nodes, topo.ranks_per_node).any(-1)
             for n in range(topo.num_nodes):
                 partial = torch.zeros_like(combined)
                 partial_weights = None if weights is None else torch.zeros_like(combined_weights)
-                for d in range(n * topo.ranks_per_node, (n + 1) * topo.ranks_per_node):
-                    part = slice(bounds[d], bounds[d + 1])
-                    partial.index_add_(0, token[part], values[part].float())
-                    if weights is not None:
-                        partial_weights.index_add_(0, token[part], weights[part])
+                add_rows_of(range(n * topo.ranks_per_node, (n + 1) * topo.ranks_per_node), partial, partial_weights)
                 hit = in_node[:, n].nonzero(as_tuple=True)[0]
                 combined.index_add_(0, hit, partial[hit].to(torch.bfloat16).float())
                 if weights is not None:
@@ -484,8 +518,8 @@ class ReferenceTransport(Transport):
 
     # ---- low-latency --------------------------------------------------------------------------------------
     def clean_low_latency(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
-        # every rank that takes part restarts its call count, so that a rank that made no calls while masked
-        # (shrink mode) agrees with the others again once the masks are cleared and the buffer cleaned
+        # every rank that takes part restarts its call count, so that a rank that sat out calls while masked
+        # agrees with the others again once the masks are cleared and the buffer cleaned
         self._call_number = 0
 
     def _roll_call(self, what: str, mask: Optional[torch.Tensor]):
@@ -503,14 +537,13 @@ class ReferenceTransport(Transport):
                              hook, check_values=None):
         mask, counted, roll_call_ns = self._roll_call("low_latency_dispatch", mask)
         topo = self.topology
-        ranks = unmasked_ranks(mask, topo.rank)   # (masked ranks take no part: they may no longer call)
+        ranks = unmasked_ranks(mask, topo.rank)   # masked ranks take no part: they may no longer call
         num_ranks, hidden = topo.num_ranks, x.shape[1]
         experts_per_rank = num_experts // num_ranks
         fields = dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
                       use_fp8=int(options.use_fp8), round_scale=int(options.round_scale),
                       use_ue8m0=int(options.use_ue8m0), topk=topk_idx.shape[1])
         self._agree("low_latency_dispatch", fields, ranks=ranks, check_values=check_values)
-        num_tokens, topk = topk_idx.shape
         selected = topk_idx >= 0
         if mask is not None:
             owner_masked = mask.to(topk_idx.device)[(topk_idx // experts_per_rank).clamp(0, num_ranks - 1)] != 0
@@ -533,11 +566,8 @@ class ReferenceTransport(Transport):
             packer.add("scales", _take(scales, token))
         packer.add("token", token.to(torch.int32))
         packer.add("expert", (expert % experts_per_rank).to(torch.int32))
-        # the rows travel alone (no packing copy), the small per-row fields packed beside them
-        pending_x = self._exchange_rows(_take(data, token), send_splits, recv_splits,
-                                        "low_latency_dispatch (data exchange)", ranks)
-        pending = self._exchange_rows(packer.pack(token.numel(), x.device), send_splits, recv_splits,
-                                      "low_latency_dispatch (data exchange)", ranks)
+        wait = self._exchange_rows_and_fields(_take(data, token), packer, send_splits, recv_splits,
+                                              "low_latency_dispatch (data exchange)", ranks)
 
         slots = num_ranks * num_max_tokens
         dev = x.device
@@ -558,15 +588,12 @@ class ReferenceTransport(Transport):
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
 
         def receive() -> None:
-            started = _now_ns()
-            received = pending.wait()
-            received_x = pending_x.wait()
-            waited = _now_ns() - started
+            received_x, rows, waited = wait()
             over = (rows_per_expert > slots).nonzero()
-            if len(over):   # (checked once every exchange of the call is complete, so no peer is left waiting)
+            if len(over):   # checked once every exchange of the call is complete, so no peer is left waiting
                 raise ValueError(too_many_rows_message(topo.rank, int(over[0]), "checked on arrival; nothing was "
                                                        "received"))
-            rows = dict(packer.unpack(received), x=received_x)
+            rows["x"] = received_x
             source = _segment_ids(recv_splits)
             keep = (mask.cpu()[source] == 0) if mask is not None else torch.ones_like(source, dtype=torch.bool)
             local_expert = rows["expert"].long().cpu()
@@ -617,24 +644,17 @@ class ReferenceTransport(Transport):
         packer = _Packer()
         packer.add("token", src_info[expert_ids, positions])
         packer.add("expert", (expert_ids + topo.rank * experts_per_rank).to(torch.int32))
-        send_splits = per_source.tolist()
-        # the rows travel alone (no packing copy), the small per-row fields packed beside them
-        pending_x = self._exchange_rows(rows, send_splits, recv_splits, "low_latency_combine (data exchange)", ranks)
-        pending = self._exchange_rows(packer.pack(total, x.device), send_splits, recv_splits,
-                                      "low_latency_combine (data exchange)", ranks)
+        wait = self._exchange_rows_and_fields(rows, packer, per_source.tolist(), recv_splits,
+                                              "low_latency_combine (data exchange)", ranks)
         num_tokens = topk_idx.shape[0]
 
         def receive() -> None:
-            started = _now_ns()
-            received = pending.wait()
-            received_x = pending_x.wait()
-            waited = _now_ns() - started
-            back = packer.unpack(received)
+            received_x, back, waited = wait()
             token = back["token"].long().to(out.device)
             expert = back["expert"].long().to(out.device)
             values = received_x.to(out.device)
-            # look up the row of every (token, slot) selection by its key expert * N + token (N bounds the
-            # dispatched tokens; the combine may pass fewer)
+            # every returned row's key expert * N + token (N, not this call's token count: the combine may pass
+            # fewer tokens than the dispatch)
             keys = expert * num_max_tokens + token
             order = torch.argsort(keys, stable=True)
             sorted_keys = keys[order]
@@ -653,14 +673,12 @@ class ReferenceTransport(Transport):
             if want.numel() and (sorted_keys.numel() == 0 or not torch.equal(sorted_keys[where], want)):
                 raise ValueError("low_latency_combine: topk_idx names an expert that the matching low_latency_dispatch "
                                  "did not send the token to; pass the dispatch's topk_idx (entries may only become -1)")
-            # an unused selection reads a zero row with weight +0: it adds +0, which changes nothing (the sum
-            # starts at +0 and so never becomes -0)
+            # an unused selection reads a zero row with weight +0: it adds +0 to a sum that starts at +0
             padded = torch.cat([values, values.new_zeros((1, hidden))])
             row_of = torch.full(valid.shape, values.shape[0], dtype=torch.int64, device=out.device)
             row_of[token_of, slot_of] = order[where]
             weights = torch.where(valid, topk_weights.float(), 0.0)
-            # fixed order: ascending top-k slot, one slot's rows at a time (a [tokens, top-k, hidden] f32 tensor
-            # would take about 1 GB at 1024 tokens, top-32, hidden 7168)
+            # fixed order: ascending top-k slot, one slot's rows at a time (not a [tokens, top-k, hidden] f32 tensor)
             for k in range(topk_idx.shape[1]):
                 accumulator += padded.index_select(0, row_of[:, k]).float() * weights[:, k, None]
             out.copy_(accumulator.to(torch.bfloat16))
