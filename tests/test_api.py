@@ -1207,14 +1207,14 @@ def test_calls_that_wait_on_the_host_are_refused_inside_a_graph_capture(pool, tr
 @pytest.mark.parametrize("variable, value, expected", [
     ("DEEP_EP_NVLINK_STAGE_TOKENS", "-1", "must be in [0, 1073741824], got -1"),
     ("DEEP_EP_NVLINK_STAGE_TOKENS", "4e3", "must be an integer, got '4e3'"),
-    ("DEEP_EP_NVLINK_BATCH", "0", "must be in [1, 1048576], got 0"),
-    ("DEEP_EP_LL_SENDERS", "many", "must be an integer, got 'many'"),
-    ("DEEP_EP_NVLINK_OWN_ROWS", "peer", "must be 'sender' or 'receiver', got 'peer'"),
+    ("DEEP_EP_NVLINK_STAGE_TOKENS", "1073741825", "must be in [0, 1073741824], got 1073741825"),
+    ("DEEP_EP_NVLINK_STAGE_TOKENS", "", "must be an integer, got ''"),
     ("DEEP_EP_NVLINK_DIRECT", "false", "must be 0 (off) or 1 (on), got 'false'"),
-    ("DEEP_EP_LL_OWN_FROM_X", "off", "must be 0 (off) or 1 (on), got 'off'"),
-    ("DEEP_EP_FAST_LAUNCH", "2", "must be 0 (off) or 1 (on), got '2'"),
+    ("DEEP_EP_NVLINK_DIRECT", "2", "must be 0 (off) or 1 (on), got '2'"),
+    ("DEEP_EP_NVLINK_DIRECT", "on", "must be 0 (off) or 1 (on), got 'on'"),
     ("DEEP_EP_LL_FUSED", "yes", "must be 0 (off) or 1 (on), got 'yes'"),
-    ("DEEP_EP_LL_PDL", "", "must be 0 (off) or 1 (on), got ''"),
+    ("DEEP_EP_LL_FUSED", "", "must be 0 (off) or 1 (on), got ''"),
+    ("DEEP_EP_LL_FUSED", "-1", "must be 0 (off) or 1 (on), got '-1'"),
 ])
 def test_a_bad_transport_setting_is_an_error_naming_the_variable(variable, value, expected):
     done = subprocess.run([sys.executable, "-c", "import deep_ep.transport.nvlink.low_latency"],
