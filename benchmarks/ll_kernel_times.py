@@ -5,13 +5,12 @@ short GPU sleep, so that the graph's launch latency on the host is hidden, as be
   python benchmarks/ll_kernel_times.py [--tokens 128 1] [--hidden 7168] [--topk 8] [--experts 288]
 
 One GPU, one rank: every row goes to the rank itself, so this measures what the kernels and the graph
-cost without NVLink (their floor on any number of GPUs), not the transfer. DEEP_EP_LL_SENDERS and
-DEEP_EP_LL_NUM_WARPS change the kernels' launch shape.
+cost without NVLink (their floor on any number of GPUs), not the transfer. The kernels are summed per
+operation by name (a name containing `dispatch` or `combine`), as DeepEP's and other profilers' scripts do.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
@@ -57,12 +56,15 @@ def _time_one(buffer: Buffer, tokens: int, hidden: int, topk: int, experts: int,
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    # every kernel of the graph: the transport's by their short names, any other (a torch op) under its own
-    kernels = {(event.key.replace("ll_", "").replace("_kernel", "") if event.key.startswith("ll_")
-                else event.key[:24]): event.device_time_total / event.count
-               for event in prof.key_averages() if event.device_type == torch.autograd.DeviceType.CUDA}
+    # GPU time per replay of each operation's kernels (by name, as DeepEP's bench_kineto finds them) and of others
+    per_op: dict = {}
+    for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        op = next((name for name in ("dispatch", "combine") if name in event.key), event.key[:24])
+        per_op[op] = per_op.get(op, 0.0) + event.device_time_total / replays
     return (f"{tokens:6d} {statistics.median(times):10.1f}  "
-            + "  ".join(f"{name} {value:5.1f}" for name, value in sorted(kernels.items())))
+            + "  ".join(f"{name} {value:5.1f}" for name, value in sorted(per_op.items())))
 
 
 def main() -> None:
@@ -82,9 +84,8 @@ def main() -> None:
     buffer = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(N, H, 1, E), low_latency_mode=True,
                     num_qps_per_rank=E, explicitly_destroy=True)
     expert_out = torch.randn(E, N, H, device="cuda", dtype=torch.bfloat16)
-    print(f"one rank, hidden {H}, top-{args.topk}, {E} experts, N {N}; senders "
-          f"{os.environ.get('DEEP_EP_LL_SENDERS', 'default')}, warps {os.environ.get('DEEP_EP_LL_NUM_WARPS', 'default')}")
-    print("tokens  graph us  kernel us (graph: median of replays; kernels: mean)")
+    print(f"one rank, hidden {H}, top-{args.topk}, {E} experts, N {N}")
+    print("tokens  graph us  kernel us per replay (graph: median of replays; kernels: mean, summed per operation)")
     try:
         for tokens in args.tokens:
             if not 0 < tokens <= N:
