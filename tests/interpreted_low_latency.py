@@ -16,7 +16,7 @@ from deep_ep.config import low_latency_size_hint
 from deep_ep.group import Topology
 from deep_ep.transport.base import LowLatencyOptions
 from deep_ep.transport.nvlink import low_latency as ll
-from deep_ep.transport.nvlink import sync
+from deep_ep.transport.nvlink import status, sync
 from deep_ep.transport.nvlink.low_latency import NVLinkLowLatency
 
 
@@ -129,7 +129,7 @@ def run(R: int, N: int, H: int, K: int, E: int, rounds: int, masked: int, absent
             check(errors, f"R={R} rank {r}: shrink mask after the timeouts", shrink[r], gone)
             # (the first wait that gave up on it: the dispatch's receive)
             check(errors, f"R={R} rank {r}: status names the masked rank", ranks[r].status[4:],
-                  gone * 4)
+                  gone * status.WAIT_LL_DISPATCH.value)
     return errors
 
 
@@ -183,7 +183,7 @@ def run_too_many_rows(seed: int = 0) -> List[str]:
     check(errors, "too many rows: layout_range", out.layout_range[e_loc - 1],
           torch.tensor([R * N, R * N << 32], dtype=torch.int64))
     check(errors, "too many rows: status (code, local expert)", ranks[0].status[2:4],
-          torch.tensor([2, e_loc - 1], dtype=torch.int32))
+          torch.tensor([status.TOO_MANY_ROWS.value, e_loc - 1], dtype=torch.int32))
     check(errors, "too many rows: src_info of the rows written", out.src_info[e_loc - 1],
           torch.zeros(R * N, dtype=torch.int32))
     check(errors, "too many rows: rows written", out.recv_x[e_loc - 1], sources[0].x[0].expand(R * N, H))
@@ -269,7 +269,7 @@ def run_late_sender(seed: int = 0) -> List[str]:
         check(errors, f"late sender: rank {s}'s combine of round 2", combined[s], expected)
     check(errors, "late sender: rank 1's shrink mask", shrink[1], torch.tensor([1, 0, 1], dtype=torch.int32))
     check(errors, "late sender: rank 1's status (why it masked each rank)", ranks[1].status[4:],
-          torch.tensor([sync.MASKED_BY_PEER.value, 0, sync.MASKED_BY_PEER.value], dtype=torch.int32))
+          torch.tensor([status.MASKED_BY_PEER.value, 0, status.MASKED_BY_PEER.value], dtype=torch.int32))
     own = M.dispatch_region(late_sources, 1, E, [None, [1, 0, 1], None])   # rank 1 receives its own tokens only
     check(errors, "late sender: rank 1's late recv_count", late[1].recv_count, own.count)
     return errors

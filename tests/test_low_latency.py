@@ -1189,14 +1189,14 @@ def test_nvlink_low_latency_refuses_receive_grids_larger_than_the_finish_unit():
 @pytest.mark.nvlink_kernels
 @pytest.mark.parametrize("capability, asked, chained", [
     ((9, 0), None, True), ((10, 0), None, False), ((12, 0), None, False), ((8, 0), None, False),
-    ((9, 0), "0", False), ((10, 0), "1", True), ((8, 0), "1", False)])
+    ((9, 0), False, False), ((10, 0), True, True), ((8, 0), True, False)])
 def test_nvlink_low_latency_chains_launches_where_asked_and_supported(monkeypatch, capability, asked, chained):
     """Programmatic dependent launches (griddepcontrol: sm_90 and later) by default only on sm_90, where they
-    are tested; DEEP_EP_LL_PDL=1 asks for them on later GPUs, 0 turns them off."""
+    are tested; low_latency.PDL forces them on later GPUs (True) or off (False)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     from deep_ep.transport.nvlink import low_latency
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(low_latency, "PDL", None if asked is None else asked == "1")   # ($DEEP_EP_LL_PDL)
+    monkeypatch.setattr(low_latency, "PDL", asked)
     assert low_latency._chain_launches(torch.device("cuda", 0)) == chained
 
 

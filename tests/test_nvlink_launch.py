@@ -191,7 +191,7 @@ def test_relaunch_checks_its_names_against_the_kernel(recorder):
         launcher.Relaunch(recorder, (1,), ("srcptr",), **fixed)
     with pytest.raises(TypeError, match="src_ptr named more than once"):
         launcher.Relaunch(recorder, (1,), ("src_ptr", "src_ptr"), **fixed)
-    if launcher._launch_options() is not None:   # (a Triton whose CUDA backend can say which options it takes)
+    if launcher.launch_options() is not None:   # (a Triton whose CUDA backend can say which options it takes)
         with pytest.raises(TypeError, match="dst_pointer not among its parameters"):
             launcher.Relaunch(recorder, (1,), ("src_ptr",), dst_pointer=dst, **fixed)
 

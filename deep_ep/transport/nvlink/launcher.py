@@ -37,7 +37,7 @@ def next_pow2(value: int) -> int:
     return 1 << max(value - 1, 0).bit_length()
 
 
-def _launch_options() -> Optional[frozenset]:
+def launch_options() -> Optional[frozenset]:
     """The launch options this Triton's CUDA backend takes (None where it cannot be asked)."""
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -277,7 +277,7 @@ def _check_names(fn: Any, signature: _Signature, vary: Tuple[str, ...], kwargs: 
     parameter or a launch option of this Triton."""
     unknown = [name for name in vary if name not in signature.index]
     repeated = sorted({name for name in vary if vary.count(name) > 1})
-    options = _launch_options()
+    options = launch_options()
     if options is not None:
         unknown += [name for name in kwargs if name not in signature.index and name not in options]
     if unknown or repeated:

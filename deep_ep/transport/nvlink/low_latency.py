@@ -1,113 +1,112 @@
 """Low-latency dispatch and combine over a peer-mapped area (ll_dispatch.py and ll_combine.py hold the
 protocols).
 
-The area is the Buffer's `num_rdma_bytes`, laid out as config.LowLatencyLayout says (DeepEP's
-`[signal0][signal1][send0][send1][recv0][recv1]`), so the size hint and the zero-copy combine view keep
-their meaning. Inside a half: the signal area holds ARRIVED (R int64) and RECEIVED (int64); the receive
-area holds MASKS, then SLOTS (dispatch) or ROWS (combine), which share the space because a half serves
-one call at a time, and a sender waits until every destination has received the previous call on the
-half. The send areas are only read (zero-copy combine input). DeepEP sizes the signal area from the expert
-count (4 bytes each, rounded up to 128); where that is too small for the counters (16 ranks or more with at
-most 2 experts per rank), both halves' counters sit at the end of the area instead, a place that does not
-depend on the call's shape either, and the last receive area's use stops short of them.
+Note [areas]: the area is the Buffer's `num_rdma_bytes`, laid out as config.LowLatencyLayout says (DeepEP's
+`[signal0][signal1][send0][send1][recv0][recv1]`), so the size hint and the zero-copy combine view keep their
+meaning. Inside a half: the signal area holds ARRIVED (R int64) and RECEIVED (int64); the receive area holds
+MASKS, then SLOTS (dispatch) or ROWS (combine), which share the space because a half serves one call at a
+time, and a sender waits until every destination has received the previous call on the half. The send areas
+are only read (zero-copy combine input). DeepEP sizes the signal area from the expert count (4 bytes each,
+rounded up to 128); where that is too small for the counters (16 ranks or more with at most 2 experts per
+rank), both halves' counters sit at the end of the area instead, a place that does not depend on the call's
+shape either, and the last receive area's use stops short of them.
 
-Nothing waits on the host, so dispatch and combine can be captured in a CUDA graph. With a receive hook a
-call is two kernel launches: a send kernel that returns at once, and the receive kernel, which the hook
-launches. Without one, and with few tokens (FUSED_MAX_TOKENS), one kernel sends and then receives (one
-launch and one gap between graph nodes less); its programs wait for each other, so it is launched as a
-cooperative grid, which CUDA runs only with all programs resident at once (DEEP_EP_LL_FUSED=0 turns it
-off). Expert ids are checked on the GPU;
-bad ones count as no selection and are reported at the next low-latency call of the rank that passed them,
-like timeouts.
+Nothing waits on the host, so dispatch and combine can be captured in a CUDA graph. Expert ids are checked on
+the GPU; bad ones count as no selection and are reported at the next low-latency call of the rank that passed
+them, like timeouts.
+
+Note [fused]: each operation is one kernel (ll_dispatch_kernel, ll_combine_kernel: a profiler shows one name
+per operation), launched in one of three ways. With a receive hook, a call is two launches: the send, which
+returns at once, and the receive, which the hook launches. Without one, and with at most FUSED_MAX_TOKENS
+tokens, one launch sends and then receives (one launch and one gap between graph nodes less, but the receive
+runs on the send's NUM_SENDERS programs of NUM_WARPS warps); its programs wait for each other, so it is
+launched as a cooperative grid, which CUDA runs only with all programs resident at once (settings.LL_FUSED
+off: never).
+
+Note [receive grids]: a receive launch has up to RECV_PROGRAMS_PER_SM programs of RECV_WARPS warps per SM. The
+dispatch receive takes one local expert per program, the combine receive a few (token, chunk) items: the
+kernel lasts as long as its busiest program, and small programs keep their block-wide reductions cheap. A
+dispatch receive program holds its expert's table of R * N entries and RECV_ROWS payload rows in registers:
+above RECV_SMALL_TABLE entries or RECV_SMALL_TILE payload words it keeps NUM_WARPS warps (with RECV_WARPS,
+ptxas spills registers there). How many programs an SM holds at once depends on their registers.
+
+Note [PDL]: the send and receive launches are programmatic dependents of the stream's previous kernel: each
+launches as the previous one's programs end and waits on the GPU for its writes. On sm_90 only, where it is
+tested (CUDA-graph capture with PDL launches has failed on other architectures), and where Triton can ask for
+it; PDL (a test's switch) forces it on (sm_90 and later) or off.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from ...checks import flag_setting, int_setting
 from ...config import LowLatencyLayout, _round_up
 from ...fp8 import num_scale_groups
 from ...group import Group, Topology
 from ...streams import allocate_outputs
 from ..base import LowLatencyDispatchOutput, LowLatencyOptions
-from .launcher import Pointer, Relaunch
+from . import settings
+from .launcher import Pointer, Relaunch, launch_options, next_pow2
 
-NUM_SENDERS = int_setting("DEEP_EP_LL_SENDERS", 128, minimum=1, maximum=1 << 16)   # send programs; same on all ranks
-NUM_WARPS = int_setting("DEEP_EP_LL_NUM_WARPS", 8, minimum=1, maximum=32)
+NUM_SENDERS = 128         # send programs (the grid of every send and fused launch); the same on all ranks
+NUM_WARPS = 8             # warps of a send or fused program
 RECV_ROWS = 4             # rows a dispatch receive program copies at once
 COMBINE_SEND_ROWS = 4     # rows a combine send program moves at once
 COMBINE_TILE = 8192       # values of the K rows a combine receive program loads at once
-# receive kernels: up to RECV_PROGRAMS_PER_SM programs of RECV_WARPS warps per SM. The dispatch receive takes
-# one local expert per program, the combine receive a few (token, chunk) items: the kernel lasts as long
-# as its busiest program, and small programs keep their block-wide reductions cheap (one H200, one rank, 128
-# tokens, us, 2 x 8 warps per SM / 4 x 4: dispatch receive 12.3 / 9.4, combine receive 11.7 / 7.3). A dispatch
-# receive program holds its expert's table of R * N entries and RECV_ROWS payload rows in registers: above
-# RECV_SMALL_TABLE entries or RECV_SMALL_TILE payload words it keeps NUM_WARPS warps (ptxas for sm_90, 4 warps:
-# 8 ranks x 512 tokens, or BF16 rows of 16384 values, spill registers). RECV_PROGRAMS_PER_SM bounds the grid;
-# how many programs an SM holds at once depends on their registers.
-RECV_PROGRAMS_PER_SM = 4
+RECV_PROGRAMS_PER_SM = 4  # (Note [receive grids])
 RECV_WARPS = 4
 RECV_SMALL_TABLE = 256
 RECV_SMALL_TILE = 8192
-# most tokens for which a call without a hook runs as one kernel: the fused kernel saves a launch and a gap,
-# but receives with NUM_SENDERS programs of NUM_WARPS warps (one H200, one rank, graph replays of dispatch +
-# combine, us, fused / two kernels: 1 token 26.8-28.4 / 28.2, 8: 29.9-31.8 / 29.2, 16: 30.2-32.0 / 29.5)
-FUSED_MAX_TOKENS = int_setting("DEEP_EP_LL_FUSED_MAX_TOKENS", 4, minimum=0, maximum=1 << 20)
-# without a hook, the combine's receive reads this rank's own rows from the expert output instead of their being
-# sent to itself ("0": every row is sent, as with a hook)
-OWN_FROM_X = flag_setting("DEEP_EP_LL_OWN_FROM_X", True)
-FUSED = flag_setting("DEEP_EP_LL_FUSED", True)   # the fused kernel where it applies (see the top of this file)
-PDL = flag_setting("DEEP_EP_LL_PDL", None)   # programmatic dependent launches; None: where tested
-MAX_SHRINK_RANKS = 64    # shrink mode: the open ranks travel as the bits of an int64 (sync.rank_bits)
+FUSED_MAX_TOKENS = 4      # most tokens for which a call without a hook is one launch (Note [fused])
+PDL: Optional[bool] = None   # programmatic dependent launches: None where tested, True / False forced (Note [PDL])
+MAX_SHRINK_RANKS = 64     # shrink mode: the open ranks travel as the bits of an int64 (sync.rank_bits)
+
+# The kernel parameters that change from call to call, in the order each launch takes their values; the others
+# are fixed per call shape (_dispatch_plan, _combine_plan).
+_DISPATCH_SEND = ("x_ptr", "idx_ptr", "num_tokens", "mask_ptr", "route_ptr")
+_DISPATCH_OUTPUTS = ("stats_ptr", "out_x_ptr", "out_scales_ptr", "src_info_ptr", "layout_ptr", "count_ptr")
+_DISPATCH_RECEIVE = ("mask_ptr", "route_ptr") + _DISPATCH_OUTPUTS
+_DISPATCH_FUSED = _DISPATCH_SEND + _DISPATCH_OUTPUTS
+_COMBINE_SEND = ("x_ptr", "layout_ptr", "route_ptr", "mask_ptr")
+_COMBINE_TOKENS = ("idx_ptr", "weights_ptr", "out_ptr", "num_tokens", "stats_ptr")
+_COMBINE_RECEIVE = ("x_ptr", "route_ptr", "mask_ptr") + _COMBINE_TOKENS   # (x_ptr: the own rows, Note [own rows])
+_COMBINE_FUSED = _COMBINE_SEND + _COMBINE_TOKENS
 
 
-# the arguments of a call that change from call to call, in the order the Relaunches take them (the fused
-# kernels take the send's, then the receive's, with the mask once)
-_DISPATCH_INPUTS = ("x_ptr", "idx_ptr", "num_tokens", "mask_ptr")   # (the send also takes route_ptr)
-_DISPATCH_OUTPUTS = ("mask_ptr", "stats_ptr", "out_x_ptr", "out_scales_ptr", "src_info_ptr", "route_ptr", "layout_ptr",
-                     "count_ptr")
-_COMBINE_INPUTS = ("x_ptr", "layout_ptr", "route_ptr", "mask_ptr")
-_COMBINE_OUTPUTS = ("mask_ptr", "idx_ptr", "weights_ptr", "out_ptr", "num_tokens", "stats_ptr")
-# arguments the receive kernels take from the send kernels' argument sets
-_DISPATCH_SHARED = ("shrink_ptr", "status_ptr", "rank", "experts_per_rank", "num_max_tokens", "timeout_ns", "K", "R",
-                    "XW", "SW", "SLOT_W", "HAS_MASK", "AUTO_MASK", "BLOCK_R")
-_COMBINE_SHARED = ("shrink_ptr", "status_ptr", "experts_per_rank", "timeout_ns", "H", "K", "R", "HAS_MASK",
-                   "AUTO_MASK", "BLOCK_R", "num_max_tokens", "x_expert_stride", "x_row_stride", "OWN_FROM_X")
+class _DispatchPlan(NamedTuple):
+    """What a dispatch of one shape needs besides its tensors. The launches (Note [fused]) take the values of
+    the parameters _DISPATCH_SEND, _DISPATCH_RECEIVE and _DISPATCH_FUSED name, in that order."""
+    send: Relaunch
+    receive: Relaunch
+    fused: Optional[Relaunch]        # None where this GPU cannot fuse
+    x_shape: Tuple[int, int, int]    # recv_x: [E_loc, R * N, hidden]
+    scale_shape: Tuple[int, int, int]   # recv_scales before its transpose: [E_loc, scale words, R * N]
+    count_shape: Tuple[int]          # recv_count: [E_loc]
+    table_shape: Tuple[int, int]     # src_info: [E_loc, R * N]
+    range_shape: Tuple[int, int]     # layout_range: [E_loc, R]
+    route_size: int                  # the route: E_loc * R * N entries, then OWN (N * K; ll_dispatch.py)
 
 
-def _next_pow2(value: int) -> int:
-    return 1 << max(value - 1, 0).bit_length()
-
-
-def _pick(arguments: dict, names: Tuple[str, ...]) -> dict:
-    return {name: arguments[name] for name in names}
+class _CombinePlan(NamedTuple):
+    """What a combine of one shape needs besides its tensors: launches as _DispatchPlan's (_COMBINE_SEND,
+    _COMBINE_RECEIVE with its grid, _COMBINE_FUSED)."""
+    send: Relaunch
+    receive: Relaunch
+    fused: Optional[Relaunch]        # None where this GPU cannot fuse
+    chunk: int                       # channels of a receive program's item
 
 
 def _nothing() -> None:
     """The receive step of a call whose kernel already received."""
 
 
-def _launch_option_supported(option: str) -> bool:
-    """Whether this Triton's CUDA backend takes the launch option `option`."""
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return option in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
 def _chain_launches(device: torch.device) -> bool:
-    """Whether the send and receive kernels launch as programmatic dependents of the stream's previous kernel
-    (PDL): each launches as the previous one's programs end and waits on the GPU for its writes (one H200, one
-    rank, graph replays of a 128-token dispatch + combine: about 1 us less). By default on sm_90, where it is
-    tested (CUDA-graph capture with PDL launches has failed on other architectures); DEEP_EP_LL_PDL=1 asks for
-    it on any sm_90 or later GPU, 0 turns it off."""
+    """Whether the send and receive launches are programmatic dependents of the previous kernel (Note [PDL])."""
     major = torch.cuda.get_device_capability(device)[0]
     wanted = major == 9 if PDL is None else PDL and major >= 9
-    return wanted and _launch_option_supported("launch_pdl")
+    return wanted and "launch_pdl" in (launch_options() or ())
 
 
 class _Geometry:
@@ -122,7 +121,7 @@ class _Geometry:
         end = self.masks + layout.recv_bytes
         if self.counter_bytes <= layout.signal_bytes:
             self.signal = layout.signal_offset(half)
-        else:   # (module docstring)
+        else:   # (Note [areas])
             stride = _round_up(self.counter_bytes, 16)
             top = (area_bytes - 2 * stride) // 16 * 16
             self.signal = top + half * stride
@@ -155,18 +154,16 @@ class NVLinkLowLatency:
         self.topology, self.device, self.status, self.timeout_ns = topology, area.device, status, timeout_ns
         self.auto_mask = auto_mask
         self.area, self.peers, self.num_sms = area, peers, num_sms
-        # send and receive in one kernel when there is no hook: its programs wait for each other, so they are
-        # launched as a cooperative grid (all of them run at once, or the launch waits), which needs one
-        # program per SM and a Triton that can ask for it
-        self.can_fuse = (NUM_SENDERS <= self.num_sms and FUSED
-                         and area.is_cuda and _launch_option_supported("launch_cooperative_grid"))
-        # the launch arguments of the send and receive kernels for programmatic dependent launch (PDL)
+        # one launch that sends and receives (Note [fused]): a cooperative grid, so one program per SM at most
+        self.can_fuse = (NUM_SENDERS <= self.num_sms and settings.LL_FUSED
+                         and area.is_cuda and "launch_cooperative_grid" in (launch_options() or ()))
+        # the send and receive launches' PDL constexpr and option (Note [PDL]; never the cooperative launch)
         self._chained = (dict(PDL=True, launch_pdl=True) if area.is_cuda and _chain_launches(area.device)
                          else dict(PDL=False))
         # id(src_info) -> (route, top-k, the raw stream route was allocated on)
         self._routes: Dict[int, Tuple[torch.Tensor, int, int]] = {}
-        self._plans: Dict[tuple, dict] = {}   # launch arguments per call shape (_dispatch_plan, _combine_plan)
-        # stand-ins for optional pointer arguments (never read)
+        self._plans: Dict[tuple, Any] = {}   # _DispatchPlan or _CombinePlan per call shape
+        # stand-ins for pointer arguments that a launch never reads
         self._no_words = torch.zeros(4, dtype=torch.int32, device=area.device)
         self._no_longs = torch.zeros(4, dtype=torch.int64, device=area.device)
         self._no_rows = torch.zeros(8, dtype=torch.bfloat16, device=area.device)
@@ -204,10 +201,10 @@ class NVLinkLowLatency:
 
     # ---- dispatch ---------------------------------------------------------------------------------------------
     def _dispatch_plan(self, num_max_tokens: int, hidden: int, num_experts: int, topk: int,
-                       options: LowLatencyOptions, shrink: Optional[torch.Tensor], has_stats: bool, half: int) -> dict:
-        """What a dispatch of this shape needs besides its tensors: launch arguments and output shapes (built
-        once per shape: most of an eager call's host time went into recomputing them). `shrink`: the Buffer's
-        shrink mask (None without shrink mode)."""
+                       options: LowLatencyOptions, shrink: Optional[torch.Tensor], has_stats: bool,
+                       half: int) -> _DispatchPlan:
+        """A dispatch's launches and output shapes, built once per shape (most of an eager call's host time went
+        into recomputing them). `shrink`: the Buffer's shrink mask (None without shrink mode)."""
         has_mask = shrink is not None
         R, rank = self.topology.num_ranks, self.topology.rank
         experts_per_rank = num_experts // R
@@ -216,43 +213,43 @@ class NVLinkLowLatency:
         if options.use_fp8:
             payload_words = hidden // 4
             scale_words = -(-groups // 4) if options.use_ue8m0 else groups
-            block_h = max(_next_pow2(hidden), 512)
+            block_h = max(next_pow2(hidden), 512)
         else:
-            payload_words, scale_words, block_h = hidden // 2, 0, _next_pow2(hidden)
+            payload_words, scale_words, block_h = hidden // 2, 0, next_pow2(hidden)
         slot_words = _round_up(payload_words + scale_words, 4)
         geometry = self._geometry(num_max_tokens, hidden, num_experts, half,
                                   R * num_max_tokens * slot_words * 4, "low_latency_dispatch")
-        send = dict(
+        arrived, received = self._counters(geometry)
+        fixed = dict(   # every parameter but the per-call ones, for all three launches
             bases_ptr=self.peers.bases, shrink_ptr=self._no_words if shrink is None else shrink,
             status_ptr=self.status, rank=rank, num_experts=num_experts,
             experts_per_rank=experts_per_rank, num_max_tokens=num_max_tokens, masks_offset=geometry.masks,
             slots_offset=geometry.data, arrived_offset=geometry.arrived, received_offset=geometry.received,
-            timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R, FP8=options.use_fp8, ROUND=options.round_scale,
-            UE8M0=options.use_ue8m0, XW=payload_words, SW=scale_words, SLOT_W=slot_words, HAS_MASK=has_mask,
-            AUTO_MASK=has_mask and self.auto_mask,
-            BLOCK_H=block_h, BLOCK_K=_next_pow2(topk), BLOCK_R=_next_pow2(R),
-            BLOCK_G=block_h // (512 if options.use_ue8m0 else 128) if options.use_fp8 else 1)
-        arrived, received = self._counters(geometry)
-        receive_only = dict(
+            timeout_ns=self.timeout_ns,
             masks_ptr=self._view(geometry.masks, geometry.masks_bytes, torch.int32),
             slots_ptr=self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.int32), arrived_ptr=arrived,
-            received_ptr=received, num_senders=NUM_SENDERS, HAS_STATS=has_stats,
-            BLOCK_RN=_next_pow2(slots), BLOCK_X=_next_pow2(payload_words), BLOCK_S=_next_pow2(max(scale_words, 1)),
-            ROWS=RECV_ROWS)
-        from .ll_dispatch import ll_dispatch_kernel, ll_dispatch_recv_kernel, ll_dispatch_send_kernel
-        receive = dict(receive_only, **_pick(send, _DISPATCH_SHARED))
-        small = slots <= RECV_SMALL_TABLE and RECV_ROWS * _next_pow2(payload_words) <= RECV_SMALL_TILE
+            received_ptr=received, num_senders=NUM_SENDERS,
+            H=hidden, K=topk, R=R, FP8=options.use_fp8, ROUND=options.round_scale,
+            UE8M0=options.use_ue8m0, XW=payload_words, SW=scale_words, SLOT_W=slot_words, HAS_MASK=has_mask,
+            AUTO_MASK=has_mask and self.auto_mask,
+            BLOCK_H=block_h, BLOCK_K=next_pow2(topk), BLOCK_R=next_pow2(R),
+            BLOCK_G=block_h // (512 if options.use_ue8m0 else 128) if options.use_fp8 else 1,
+            HAS_STATS=has_stats, BLOCK_RN=next_pow2(slots), BLOCK_X=next_pow2(payload_words),
+            BLOCK_S=next_pow2(max(scale_words, 1)), ROWS=RECV_ROWS)
+        no_outputs = dict.fromkeys(_DISPATCH_OUTPUTS, self._no_words)   # (the send writes none)
+        no_inputs = dict(x_ptr=self._no_rows, idx_ptr=self._no_longs, num_tokens=0)   # (the receive reads none)
+        from .ll_dispatch import ll_dispatch_kernel as kernel
+        small = slots <= RECV_SMALL_TABLE and RECV_ROWS * next_pow2(payload_words) <= RECV_SMALL_TILE
         receive_grid = max(1, min(experts_per_rank, RECV_PROGRAMS_PER_SM * self.num_sms))
         # (AHEAD: a program has several experts, so it loads their tables one ahead)
-        return dict(
-            send=Relaunch(ll_dispatch_send_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + ("route_ptr",), **send,
-                          num_warps=NUM_WARPS, **self._chained),
-            receive=Relaunch(ll_dispatch_recv_kernel, (receive_grid,), _DISPATCH_OUTPUTS, **receive,
-                             AHEAD=experts_per_rank > receive_grid, num_warps=RECV_WARPS if small else NUM_WARPS,
-                             **self._chained),
-            fused=Relaunch(ll_dispatch_kernel, (NUM_SENDERS,), _DISPATCH_INPUTS + _DISPATCH_OUTPUTS[1:], **send,
-                           **receive_only, AHEAD=experts_per_rank > NUM_SENDERS, num_warps=NUM_WARPS,
-                           launch_cooperative_grid=True)
+        return _DispatchPlan(
+            send=Relaunch(kernel, (NUM_SENDERS,), _DISPATCH_SEND, **fixed, **no_outputs, AHEAD=False, SEND=True,
+                          RECEIVE=False, num_warps=NUM_WARPS, **self._chained),
+            receive=Relaunch(kernel, (receive_grid,), _DISPATCH_RECEIVE, **fixed, **no_inputs,
+                             AHEAD=experts_per_rank > receive_grid, SEND=False, RECEIVE=True,
+                             num_warps=RECV_WARPS if small else NUM_WARPS, **self._chained),
+            fused=Relaunch(kernel, (NUM_SENDERS,), _DISPATCH_FUSED, **fixed, AHEAD=experts_per_rank > NUM_SENDERS,
+                           SEND=True, RECEIVE=True, PDL=False, num_warps=NUM_WARPS, launch_cooperative_grid=True)
             if self.can_fuse else None,
             x_shape=(experts_per_rank, slots, hidden), scale_shape=(experts_per_rank, scale_words, slots),
             count_shape=(experts_per_rank,), table_shape=(experts_per_rank, slots), range_shape=(experts_per_rank, R),
@@ -273,28 +270,28 @@ class NVLinkLowLatency:
             plan = self._plans[key] = self._dispatch_plan(num_max_tokens, hidden, num_experts, topk, options,
                                                           mask, wait_stats is not None, half)
         recv_x, recv_scales, recv_count, src_info, layout_range = allocate_outputs(lambda: (
-            torch.empty(plan["x_shape"], dtype=torch.float8_e4m3fn if options.use_fp8 else torch.bfloat16, device=dev),
-            torch.empty(plan["scale_shape"], dtype=torch.int32 if options.use_ue8m0 else torch.float32,
+            torch.empty(plan.x_shape, dtype=torch.float8_e4m3fn if options.use_fp8 else torch.bfloat16, device=dev),
+            torch.empty(plan.scale_shape, dtype=torch.int32 if options.use_ue8m0 else torch.float32,
                         device=dev).transpose(1, 2) if options.use_fp8 else None,
-            torch.empty(plan["count_shape"], dtype=torch.int32, device=dev),
-            torch.empty(plan["table_shape"], dtype=torch.int32, device=dev),
-            torch.empty(plan["range_shape"], dtype=torch.int64, device=dev)))
-        route = torch.empty(plan["route_size"], dtype=torch.int32, device=dev)   # [route | OWN] (ll_dispatch.py)
+            torch.empty(plan.count_shape, dtype=torch.int32, device=dev),
+            torch.empty(plan.table_shape, dtype=torch.int32, device=dev),
+            torch.empty(plan.range_shape, dtype=torch.int64, device=dev)))
+        route = torch.empty(plan.route_size, dtype=torch.int32, device=dev)   # [route | OWN] (ll_dispatch.py)
         # the mask as of this call, also for its receive (the kernels mark ranks they give up on in it and in `mask`)
         mask = self._no_words if mask is None else mask.clone()
-        outputs = (mask, self._no_longs if wait_stats is None else wait_stats, Pointer(recv_x, torch.int32),
-                   self._no_words if recv_scales is None else Pointer(recv_scales, torch.int32), src_info, route,
+        outputs = (self._no_longs if wait_stats is None else wait_stats, Pointer(recv_x, torch.int32),
+                   self._no_words if recv_scales is None else Pointer(recv_scales, torch.int32), src_info,
                    layout_range, recv_count)   # (_DISPATCH_OUTPUTS)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         self._remember(src_info, route, topk)
-        if not hook and plan["fused"] is not None and num_tokens <= FUSED_MAX_TOKENS:
-            plan["fused"](x, topk_idx, num_tokens, *outputs)
+        if not hook and plan.fused is not None and num_tokens <= FUSED_MAX_TOKENS:
+            plan.fused(x, topk_idx, num_tokens, mask, route, *outputs)
             return output, _nothing
-        plan["send"](x, topk_idx, num_tokens, mask, route)
-        receive = plan["receive"]
+        plan.send(x, topk_idx, num_tokens, mask, route)
+        receive = plan.receive
 
         def receive_step() -> None:   # (keeps only the receive's arguments alive)
-            receive(*outputs)
+            receive(mask, route, *outputs)
         return output, receive_step
 
     def _counters(self, geometry: _Geometry):
@@ -327,9 +324,7 @@ class NVLinkLowLatency:
         if route_stream != self._raw_stream():   # its memory must outlive this combine's kernels on this stream
             route.record_stream(torch.cuda.current_stream(self.device))
         strides = x.stride()
-        # without a hook the receive runs right after the send, so it can read this rank's own rows from x (with a
-        # hook the caller may change x before calling it; LogFMT rounds rows in the send)
-        own_from_x = OWN_FROM_X and not hook and not use_logfmt
+        own_from_x = not hook and not use_logfmt   # (Note [own rows] in ll_combine.py)
         key = ("combine", num_max_tokens, hidden, experts_per_rank, topk, use_logfmt,
                None if mask is None else mask.data_ptr(), wait_stats is not None, half, strides, own_from_x)
         plan = self._plans.get(key)
@@ -337,59 +332,58 @@ class NVLinkLowLatency:
             plan = self._plans[key] = self._combine_plan(num_max_tokens, hidden, experts_per_rank, topk, use_logfmt,
                                                          mask, wait_stats is not None, half, strides, own_from_x)
         mask = self._no_words if mask is None else mask.clone()
-        per_call = (mask, topk_idx, topk_weights, out, num_tokens,
-                    self._no_longs if wait_stats is None else wait_stats)   # (_COMBINE_OUTPUTS)
-        if not hook and plan["fused"] is not None and num_tokens <= FUSED_MAX_TOKENS:
-            plan["fused"](x, layout_range, route, *per_call)
+        per_token = (topk_idx, topk_weights, out, num_tokens,
+                     self._no_longs if wait_stats is None else wait_stats)   # (_COMBINE_TOKENS)
+        if not hook and plan.fused is not None and num_tokens <= FUSED_MAX_TOKENS:
+            plan.fused(x, layout_range, route, mask, *per_token)
             return _nothing
-        plan["send"](x, layout_range, route, mask)
-        receive = plan["receive"]
-        items = num_tokens * -(-hidden // plan["chunk"])
+        plan.send(x, layout_range, route, mask)
+        receive = plan.receive
+        items = num_tokens * -(-hidden // plan.chunk)
         receive_grid = (max(1, min(items, RECV_PROGRAMS_PER_SM * self.num_sms)),)
-
         own_rows = x if own_from_x else self._no_rows   # (a hook's closure need not keep x alive)
 
         def receive_step() -> None:   # (keeps only the receive's arguments alive)
-            receive(*per_call, own_rows, route, grid=receive_grid)
+            receive(own_rows, route, mask, *per_token, grid=receive_grid)
         return receive_step
 
     def _combine_plan(self, num_max_tokens: int, hidden: int, experts_per_rank: int, topk: int, use_logfmt: bool,
                       shrink: Optional[torch.Tensor], has_stats: bool, half: int, strides: Tuple[int, ...],
-                      own_from_x: bool) -> dict:
-        """A combine's launch arguments besides its tensors, built once per shape (as _dispatch_plan)."""
+                      own_from_x: bool) -> _CombinePlan:
+        """A combine's launches, built once per shape (as _dispatch_plan)."""
         has_mask = shrink is not None
         R, rank = self.topology.num_ranks, self.topology.rank
         num_experts = experts_per_rank * R
         geometry = self._geometry(num_max_tokens, hidden, num_experts, half, num_max_tokens * topk * hidden * 2,
                                   "low_latency_combine")
-        block_h = max(_next_pow2(hidden), 1024) if use_logfmt else _next_pow2(hidden)
-        send = dict(
+        block_h = max(next_pow2(hidden), 1024) if use_logfmt else next_pow2(hidden)
+        arrived, received = self._counters(geometry)
+        # a receive program sums one chunk of a token's K rows, loaded at once (COMBINE_TILE values)
+        chunk = min(next_pow2(hidden), max(128, COMBINE_TILE // next_pow2(topk)))
+        fixed = dict(   # every parameter but the per-call ones, for all three launches
             bases_ptr=self.peers.bases, shrink_ptr=self._no_words if shrink is None else shrink,
             status_ptr=self.status, rank=rank, experts_per_rank=experts_per_rank,
             num_max_tokens=num_max_tokens, x_expert_stride=strides[0], x_row_stride=strides[1],
             rows_offset=geometry.data, arrived_offset=geometry.arrived, received_offset=geometry.received,
-            timeout_ns=self.timeout_ns, H=hidden, K=topk, R=R, HAS_MASK=has_mask, AUTO_MASK=has_mask and self.auto_mask,
-            LOGFMT=use_logfmt, BLOCK_H=block_h,
-            BLOCK_E=_next_pow2(experts_per_rank), BLOCK_R=_next_pow2(R), ROWS=1 if use_logfmt else COMBINE_SEND_ROWS,
-            OWN_FROM_X=own_from_x)
-        arrived, received = self._counters(geometry)
-        # a receive program sums one chunk of a token's K rows, loaded at once (COMBINE_TILE values)
-        chunk = min(_next_pow2(hidden), max(128, COMBINE_TILE // _next_pow2(topk)))
-        receive_only = dict(
+            timeout_ns=self.timeout_ns,
             rows_ptr=self._view(geometry.data, geometry.data_bytes // 16 * 16, torch.bfloat16), arrived_ptr=arrived,
             received_ptr=received, num_experts=num_experts, num_senders=NUM_SENDERS,
-            HAS_STATS=has_stats, CHUNK=chunk, BLOCK_K=_next_pow2(topk))
-        from .ll_combine import ll_combine_kernel, ll_combine_recv_kernel, ll_combine_send_kernel
-        # (the receive and the fused kernel are compiled without FMA, as the reference sums)
-        return dict(
-            send=Relaunch(ll_combine_send_kernel, (NUM_SENDERS,), _COMBINE_INPUTS, **send, num_warps=NUM_WARPS,
-                          enable_fp_fusion=not use_logfmt, **self._chained),
-            receive=Relaunch(ll_combine_recv_kernel, (1,), _COMBINE_OUTPUTS + ("x_ptr", "route_ptr"), **receive_only,
-                             **_pick(send, _COMBINE_SHARED), num_warps=RECV_WARPS, enable_fp_fusion=False,
-                             **self._chained),
-            fused=Relaunch(ll_combine_kernel, (NUM_SENDERS,), _COMBINE_INPUTS + _COMBINE_OUTPUTS[1:], **send,
-                           **receive_only, num_warps=NUM_WARPS, enable_fp_fusion=False,
-                           launch_cooperative_grid=True) if self.can_fuse else None,
+            H=hidden, K=topk, R=R, HAS_MASK=has_mask, AUTO_MASK=has_mask and self.auto_mask,
+            LOGFMT=use_logfmt, BLOCK_H=block_h, BLOCK_E=next_pow2(experts_per_rank), BLOCK_R=next_pow2(R),
+            ROWS=1 if use_logfmt else COMBINE_SEND_ROWS, HAS_STATS=has_stats, CHUNK=chunk, BLOCK_K=next_pow2(topk),
+            OWN_FROM_X=own_from_x)
+        no_tokens = dict(idx_ptr=self._no_longs, weights_ptr=self._no_words, out_ptr=self._no_rows, num_tokens=0,
+                         stats_ptr=self._no_longs)   # (the send reads none)
+        from .ll_combine import ll_combine_kernel as kernel
+        # (the receive and the fused launch are compiled without FMA, as the reference sums)
+        return _CombinePlan(
+            send=Relaunch(kernel, (NUM_SENDERS,), _COMBINE_SEND, **fixed, **no_tokens, SEND=True, RECEIVE=False,
+                          num_warps=NUM_WARPS, enable_fp_fusion=not use_logfmt, **self._chained),
+            receive=Relaunch(kernel, (1,), _COMBINE_RECEIVE, **fixed, layout_ptr=self._no_longs, SEND=False,
+                             RECEIVE=True, num_warps=RECV_WARPS, enable_fp_fusion=False, **self._chained),
+            fused=Relaunch(kernel, (NUM_SENDERS,), _COMBINE_FUSED, **fixed, SEND=True, RECEIVE=True, PDL=False,
+                           num_warps=NUM_WARPS, enable_fp_fusion=False, launch_cooperative_grid=True)
+            if self.can_fuse else None,
             chunk=chunk)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
