@@ -6,12 +6,12 @@ print DeepEP's own figures.
     python benchmarks/deepep_tests.py DEEPEP_TESTS_DIR test_low_latency --num-processes 2 [script arguments]
     python benchmarks/deepep_tests.py DEEPEP_TESTS_DIR test_intranode --num-processes 2 --num-tokens 256 --hidden 1024
 
-On GPUs the script runs as it is (NCCL, `cuda:local_rank`) but for `bench_kineto`, DeepEP's kernel timing:
-it wants one profiler row per kernel name (`dispatch`, `combine`), and a low-latency call here runs a send and
-a receive kernel (one fused kernel for a few tokens), so the replacement reports the GPU time per call of
-every kernel whose name contains the name (with receive hooks, per phase: the send kernels, then the
-receive kernels, as DeepEP's splits its kernel's two launches). Nodes there are DeepEP's: WORLD_SIZE and
-RANK name this host's node among several hosts.
+On GPUs the script runs as it is (NCCL, `cuda:local_rank`), DeepEP's kernel timing (`bench_kineto`, which
+wants one profiler row per kernel name: `dispatch`, `combine`) included: each operation here launches one
+kernel name containing its name. Only `test_internode` gets a replacement timing: its groups span nodes, where
+this package runs the reference transport (torch collectives, no kernel of those names), so the replacement
+gives the whole call's GPU time to the first name. Nodes there are DeepEP's: WORLD_SIZE and RANK name this
+host's node among several hosts.
 
 Without GPUs, or with `--cpu` before the tests folder, it runs on CPU tensors over gloo with what the script
 cannot do there replaced: tensors it creates with `device='cuda'` are made on the CPU, `init_dist` starts a
@@ -26,7 +26,7 @@ then get `num_ranks_per_node` so that each run's ranks form a node.
 
 With `--share-gpus` the ranks run as processes that share the GPUs (rank i on GPU i mod count) in a gloo
 group, with the script's CUDA tensors, so more ranks than GPUs run (NCCL takes one rank a GPU); `init_dist`
-and `dist.all_gather_into_tensor` (through host memory) are replaced, and `bench_kineto` as on GPUs.
+and `dist.all_gather_into_tensor` (through host memory) are replaced; `bench_kineto` as on GPUs.
 """
 import argparse
 import functools
@@ -99,7 +99,7 @@ def _bench_kineto(fn, kernel_names, num_tests: int = 30, suppress_kineto_output:
 
 def _kernel_times(fn, kernel_names, num_tests: int = 30, suppress_kineto_output: bool = False, trace_path=None,
                   barrier_comm_profiling: bool = False, num_kernels_per_period: int = 1):
-    """DeepEP's bench_kineto for kernels that this package splits: the GPU seconds per call of all kernels
+    """DeepEP's bench_kineto for test_internode (the reference transport): the GPU seconds per call of all kernels
     whose names contain each of `kernel_names`; with `num_kernels_per_period` > 1 (receive hooks), a list of
     the seconds per call of each phase, the matching kernels taken in launch order, period by period.
 
@@ -168,7 +168,7 @@ def _run_rank(local_rank: int, num_local_ranks: int, args: argparse.Namespace, t
     import utils
     if mode == "cpu":
         utils.bench, utils.bench_kineto = _bench, _bench_kineto
-    else:
+    elif script == "test_internode":
         utils.bench_kineto = _kernel_times
     if mode != "gpus":
         utils.init_dist = functools.partial(_init_dist, on_gpus=mode == "share")
