@@ -8,7 +8,10 @@ print DeepEP's own figures.
 
 On GPUs the script runs as it is (NCCL, `cuda:local_rank`), DeepEP's kernel timing (`bench_kineto`, which
 wants one profiler row per kernel name: `dispatch`, `combine`) included: each operation here launches one
-kernel name containing its name. Only `test_internode` gets a replacement timing: its groups span nodes, where
+kernel name containing its name. DeepEP's timing reports a name's mean time per launch: with receive hooks
+that is per phase, as for DeepEP; without, a low-latency call here is two launches (send, receive; one up to 4
+tokens) where DeepEP's is one, so its figure is half the call's kernel time. Only `test_internode` gets a
+replacement timing: its groups span nodes, where
 this package runs the reference transport (torch collectives, no kernel of those names), so the replacement
 gives the whole call's GPU time to the first name. Nodes there are DeepEP's: WORLD_SIZE and RANK name this
 host's node among several hosts.
