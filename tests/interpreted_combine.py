@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 from randomness import base_seed, generator
 
-from deep_ep.transport.nvlink import _combine_slot, _next_pow2
+from deep_ep.transport.nvlink.launcher import next_pow2
+from deep_ep.transport.nvlink.normal import combine_slot
 from deep_ep.transport.nvlink.combine import reduce_tokens
 from deep_ep.transport.nvlink.direct import rows_arrived
 
@@ -31,8 +32,7 @@ def reduce_all(x_ptr, weights_ptr, in_rank_ptr, before_ptr, bias0_ptr, bias1_ptr
     tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     reduce_tokens(tokens, tokens < num_tokens, x_ptr, weights_ptr, in_rank_ptr, before_ptr, bias0_ptr, bias1_ptr,
                   out_ptr, out_weights_ptr, own, regions, index0, modulo, slot_words, self_row0, num_rows, rank, ro,
-                  tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_K), R, H, K, X_OFF, HAS_BIAS0, HAS_BIAS1, BLOCK_H,
-                  BLOCK_K, ROWS)
+                  R, H, K, X_OFF, HAS_BIAS0, HAS_BIAS1, BLOCK_H, BLOCK_K, ROWS)
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def run_arrivals() -> List[str]:
         cases += [(ops - gap, 77) for gap in (1, 2, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 1, 2 ** 32 - 1) if ops - gap >= 1]
         words = torch.tensor([0 if op is None else wrapped((op << 32) + rows) for op, rows in cases], dtype=torch.int64)
         out = torch.full((len(cases),), -1, dtype=torch.int32)
-        read_arrivals[(1,)](words, out, ops, len(cases), BLOCK=_next_pow2(len(cases)))
+        read_arrivals[(1,)](words, out, ops, len(cases), BLOCK=next_pow2(len(cases)))
         expected = [rows if op == ops else 0 for op, rows in cases]
         if out.tolist() != expected:
             errors.append(f"rows_arrived at OPS={ops}: got {out.tolist()} for {cases}, expected {expected}")
@@ -77,7 +77,7 @@ def run(R: int, rank: int, T: int, H: int, K: int, biases: int, seed: int) -> Li
     before = torch.zeros(T + 1, R, dtype=torch.int32)
     before[1:] = in_rank.to(torch.int32).cumsum(0)
     counts = before[T].tolist()
-    x_off, slot_words = _combine_slot(K, H)
+    x_off, slot_words = combine_slot(K, H)
     modulo = max(counts) + 3
     index0 = torch.tensor([(5 * d + 2) % modulo for d in range(R)], dtype=torch.int64)   # rings that wrap around
     regions = torch.tensor([d * modulo * slot_words for d in range(R)], dtype=torch.int64)
@@ -105,7 +105,7 @@ def run(R: int, rank: int, T: int, H: int, K: int, biases: int, seed: int) -> Li
         x, weights, in_rank.to(torch.int8), before, bias[0] if bias[0] is not None else x, bias[1]
         if bias[1] is not None else x, out, out_weights, area.data_ptr(), regions, index0, modulo, slot_words,
         self_row0, num_rows, T, rank, R=R, H=H, K=K, X_OFF=x_off, HAS_BIAS0=bias[0] is not None,
-        HAS_BIAS1=bias[1] is not None, BLOCK_H=_next_pow2(H), BLOCK_K=_next_pow2(K), BLOCK_R=_next_pow2(R),
+        HAS_BIAS1=bias[1] is not None, BLOCK_H=next_pow2(H), BLOCK_K=next_pow2(K), BLOCK_R=next_pow2(R),
         ROWS=rows_per_step)
     # the reference transport's order
     first, second = (torch.zeros(T, H) if b is None else b.float() for b in bias)

@@ -12,7 +12,8 @@ from typing import List
 
 import torch
 
-from deep_ep.transport.nvlink import CMAX, control_words, plan_from_handle
+from deep_ep.transport.nvlink.header import CMAX, Header
+from deep_ep.transport.nvlink.normal import plan_from_handle
 from deep_ep.transport.nvlink.direct import direct_combine_kernel, direct_dispatch_kernel
 
 R, C, RANK, T, H = 2, 1, 0, 3, 16
@@ -35,8 +36,8 @@ def rank0_handle():
 
 
 def areas(slot_words: int):
-    words = control_words(R)
-    buffers = [torch.zeros(words["ring_word"] * 4 + CAPACITY * slot_words * 4, dtype=torch.uint8) for _ in range(R)]
+    words = Header.for_ranks(R)
+    buffers = [torch.zeros(words.ring_word * 4 + CAPACITY * slot_words * 4, dtype=torch.uint8) for _ in range(R)]
     return words, buffers, torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
 
 
@@ -46,10 +47,10 @@ def check_dispatch(failures: List[str]) -> None:
     words, buffers, bases = areas(slot_words)
     own32, own64 = buffers[0].view(torch.int32), buffers[0].view(torch.int64)
     for token in range(T):                      # rank 1's rows, in the slots of their output rows 3, 4, 5
-        slot = words["ring_word"] + (T + token) * slot_words
+        slot = words.ring_word + (T + token) * slot_words
         own32[slot:slot + XW] = 1000 + token
         own32[slot + XW] = token
-    own64[words["arrive_word"] + 1 * 2 * CMAX] = T   # rank 1's program 0 has pushed its 3 rows (operation 0)
+    own64[words.arrive_word + 1 * 2 * CMAX] = T   # rank 1's program 0 has pushed its 3 rows (operation 0)
     x = torch.arange(T * XW, dtype=torch.int32).view(T, XW)
     x_guarded = torch.full((2 * T, XW), GUARD, dtype=torch.int32)
     src_guarded = torch.full((2 * T,), GUARD, dtype=torch.int32)
@@ -60,7 +61,7 @@ def check_dispatch(failures: List[str]) -> None:
     direct_dispatch_kernel[(2 * C,)](
         x, unused, unused, unused, in_rank, plan.before, plan.recv_count, plan.recv_base, plan.prefix,
         plan.push_row0, out_x, unused, unused, unused, out_src, bases, status, T, NUM_ROWS, RANK, 0, 1,
-        words["arrive_word"], words["ops_word"], words["done_word"], words["ticket_word"], words["ring_word"],
+        words.arrive_word, words.ops_word, words.done_word, words.ticket_word, words.ring_word,
         slot_words, CAPACITY, 1 << 30, TIMEOUT_NS, C=C, AMAX=2 * CMAX, R=R, XW=XW, SW=0, K=0, HAS_W=False,
         ID_OFF=XW, BLOCK_X=XW, BLOCK_S=1, BLOCK_K=1, BLOCK_R=R, ROWS=4)
     if status[0]:
@@ -85,8 +86,8 @@ def check_combine(failures: List[str]) -> None:
     unused = torch.zeros(4, dtype=torch.float32)
     direct_combine_kernel[(2 * C,)](
         x, unused, handle[4].view(torch.int8), plan.before, plan.recv_count, plan.recv_base, plan.prefix,
-        plan.combine_row0, unused, unused, out, unused, bases, status, T, NUM_ROWS, RANK, words["arrive_word"],
-        words["ops_word"], words["done_word"], words["ticket_word"], words["ring_word"], slot_words, CAPACITY,
+        plan.combine_row0, unused, unused, out, unused, bases, status, T, NUM_ROWS, RANK, words.arrive_word,
+        words.ops_word, words.done_word, words.ticket_word, words.ring_word, slot_words, CAPACITY,
         1 << 30, TIMEOUT_NS, C=C, AMAX=2 * CMAX, R=R, H=H, K=0, X_OFF=0, HAS_BIAS0=False, HAS_BIAS1=False,
         BLOCK_H=H, BLOCK_K=1, BLOCK_R=R, ROWS=4, REDUCE_ROWS=4)
     if status[0]:
@@ -94,7 +95,7 @@ def check_combine(failures: List[str]) -> None:
     if not torch.equal(out.view(torch.int16), x[:T].view(torch.int16)):
         failures.append("combine: rank 0's tokens are not its own rows of x")
     # rank 1's slots 0-2 hold the rows of x it sent (rows 3-5): row 3, then zeros for the rows x does not hold
-    slots = buffers[1].view(torch.int32)[words["ring_word"]:].view(CAPACITY, slot_words)[:T, :H // 2]
+    slots = buffers[1].view(torch.int32)[words.ring_word:].view(CAPACITY, slot_words)[:T, :H // 2]
     returned = slots.contiguous().view(torch.bfloat16)
     expected = torch.cat([x[T:NUM_ROWS], torch.zeros(2 * T - NUM_ROWS, H, dtype=torch.bfloat16)])
     if not torch.equal(returned.view(torch.int16), expected.view(torch.int16)):

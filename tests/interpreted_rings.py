@@ -11,21 +11,21 @@ from typing import List
 
 import torch
 
-from deep_ep.transport.nvlink import CMAX, control_words
+from deep_ep.transport.nvlink.header import CMAX, Header
 from deep_ep.transport.nvlink.combine import combine_kernel
 from deep_ep.transport.nvlink.dispatch import dispatch_kernel
 
 R, C, RANK, T, H = 2, 1, 0, 4, 64
 TIMEOUT_S = 60.0
-LIMIT_S = 20.0   # (the interpreter takes about a second for the 256 polls between two looks at the status)
+LIMIT_S = 20.0   # a third of TIMEOUT_S: room for the interpreter's slow polls, far below the timeout
 WAIT_ROWS = 2    # sync.WAIT_ROWS: the code of the earlier timeout
 
 
 def setting():
     """Both ranks' areas (header, then 64 KiB of rings), the peer table, and rank 0's status with an earlier
     timeout recorded."""
-    words = control_words(R)
-    areas = [torch.zeros(words["ring_word"] * 4 + (1 << 16), dtype=torch.uint8) for _ in range(R)]
+    words = Header.for_ranks(R)
+    areas = [torch.zeros(words.ring_word * 4 + (1 << 16), dtype=torch.uint8) for _ in range(R)]
     bases = torch.tensor([a.data_ptr() for a in areas], dtype=torch.int64)
     status = torch.zeros(4 + R, dtype=torch.int32)
     status[0], status[1] = WAIT_ROWS, 1
@@ -48,7 +48,7 @@ def run_dispatch() -> float:
     in_rank, before, counts, recv_base, prefix = routing()
     xw = H // 2                      # int32 words of a bf16 row
     slot_words = (xw + 1 + 3) // 4 * 4
-    ring_words = (areas[0].numel() // 4 - words["ring_word"]) // (R * C) // 4 * 4
+    ring_words = (areas[0].numel() // 4 - words.ring_word) // (R * C) // 4 * 4
     x = torch.randn(T, H).to(torch.bfloat16).view(torch.int32)
     out_x = torch.zeros(2 * T, xw, dtype=torch.int32)
     out_src = torch.zeros(2 * T, dtype=torch.int32)
@@ -56,10 +56,10 @@ def run_dispatch() -> float:
     start = time.monotonic()
     dispatch_kernel[(2 * C,)](
         x, unused, unused, unused, in_rank, before, counts, recv_base, prefix, out_x, unused, unused, unused, out_src,
-        bases, status, T, 2 * T, RANK, 0, 1, words["tail_word"], words["head_word"], words["sent_word"],
-        words["recvd_word"], words["ops_word"], words["done_word"], words["ticket_word"], words["ring_word"],
+        bases, status, T, 2 * T, RANK, 0, 1, words.tail_word, words.head_word, words.sent_word,
+        words.recvd_word, words.ops_word, words.done_word, words.ticket_word, words.ring_word,
         ring_words, slot_words, ring_words // slot_words, 8, int(TIMEOUT_S * 1e9), C=C, CMAX=CMAX, R=R, XW=xw, SW=0,
-        K=0, HAS_W=False, ID_OFF=xw, BLOCK_X=xw, BLOCK_S=1, BLOCK_K=1, BLOCK_R=R, ROWS=4, OWN_BY_SENDER=True)
+        K=0, HAS_W=False, ID_OFF=xw, BLOCK_X=xw, BLOCK_S=1, BLOCK_K=1, BLOCK_R=R, ROWS=4)
     return time.monotonic() - start
 
 
@@ -74,8 +74,8 @@ def run_combine() -> float:
     start = time.monotonic()
     combine_kernel[(2 * C,)](
         x, unused, in_rank, before, counts, recv_base, prefix, unused, unused, out, unused, bases, status, T, 2 * T,
-        RANK, words["tail_word"], words["head_word"], words["sent_word"], words["recvd_word"], words["ops_word"],
-        words["done_word"], words["ticket_word"], words["ring_word"], slot_words * ring_slots, slot_words, ring_slots,
+        RANK, words.tail_word, words.head_word, words.sent_word, words.recvd_word, words.ops_word,
+        words.done_word, words.ticket_word, words.ring_word, slot_words * ring_slots, slot_words, ring_slots,
         2, int(TIMEOUT_S * 1e9), C=C, CMAX=CMAX, R=R, H=H, K=0, X_OFF=0, HAS_BIAS0=False, HAS_BIAS1=False,
         BLOCK_H=H, BLOCK_K=1, BLOCK_R=R, ROWS=4)
     return time.monotonic() - start

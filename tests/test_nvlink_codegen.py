@@ -22,8 +22,9 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deep_ep.transport.nvlink import (COMBINE_TILE, DISPATCH_TILE, NUM_WARPS, _combine_slot,  # noqa: E402
-                                      _next_pow2, _rows_per_step)
+from deep_ep.transport.nvlink.launcher import next_pow2  # noqa: E402
+from deep_ep.transport.nvlink.normal import (COMBINE_TILE, DISPATCH_TILE, NUM_WARPS, combine_slot,  # noqa: E402
+                                             rows_per_step)
 from deep_ep.transport.nvlink import combine, direct, dispatch, ll_combine, ll_dispatch, notify  # noqa: E402
 from deep_ep.transport.nvlink import low_latency as ll  # noqa: E402
 from deep_ep.transport.nvlink import sync  # noqa: E402
@@ -83,34 +84,37 @@ def _expect_16_byte_rows(counts: Counter, tile_bytes: int, num_warps: int, loads
         assert counts["ld", 2] == 0 and counts["st", 2] == 0, counts
 
 
-LL_COMBINE = dict(H=H, K=K, R=R, HAS_MASK=False, AUTO_MASK=False, LOGFMT=False, BLOCK_H=_next_pow2(H), BLOCK_E=256,
+LL_COMBINE = dict(H=H, K=K, R=R, HAS_MASK=False, AUTO_MASK=False, LOGFMT=False, BLOCK_H=next_pow2(H), BLOCK_E=256,
                   BLOCK_R=R, ROWS=ll.COMBINE_SEND_ROWS, HAS_STATS=False, BLOCK_K=K,
-                  CHUNK=min(_next_pow2(H), max(128, ll.COMBINE_TILE // K)), PDL=True)
+                  CHUNK=min(next_pow2(H), max(128, ll.COMBINE_TILE // K)), PDL=True)
 LL_STRIDES = ("x_expert_stride", "x_row_stride", "num_max_tokens")
+# the low-latency kernels' phases, as the transport launches them (the fused launch is never a PDL one)
+SEND, RECEIVE, FUSED = dict(SEND=True, RECEIVE=False), dict(SEND=False, RECEIVE=True), dict(SEND=True, RECEIVE=True,
+                                                                                            PDL=False)
 
 
 @pytest.mark.parametrize("own_from_x, shrink", [(False, False), (True, False), (True, True)])
 def test_low_latency_combine_receive_loads_rows_in_16_bytes(own_from_x, shrink):
-    counts = _accesses(ll_combine.ll_combine_recv_kernel, ll.RECV_WARPS,
-                       dict(LL_COMBINE, OWN_FROM_X=own_from_x, HAS_MASK=shrink, AUTO_MASK=shrink),
+    counts = _accesses(ll_combine.ll_combine_kernel, ll.RECV_WARPS,
+                       dict(LL_COMBINE, **RECEIVE, OWN_FROM_X=own_from_x, HAS_MASK=shrink, AUTO_MASK=shrink),
                        LL_STRIDES, fp_fusion=False)
     _expect_16_byte_rows(counts, K * LL_COMBINE["CHUNK"] * 2, ll.RECV_WARPS, stores=False)
 
 
 @pytest.mark.parametrize("own_from_x", [False, True])
 def test_low_latency_combine_send_moves_rows_in_16_bytes(own_from_x):
-    counts = _accesses(ll_combine.ll_combine_send_kernel, ll.NUM_WARPS, dict(LL_COMBINE, OWN_FROM_X=own_from_x),
+    counts = _accesses(ll_combine.ll_combine_kernel, ll.NUM_WARPS, dict(LL_COMBINE, **SEND, OWN_FROM_X=own_from_x),
                        LL_STRIDES)
-    _expect_16_byte_rows(counts, ll.COMBINE_SEND_ROWS * _next_pow2(H) * 2, ll.NUM_WARPS)
+    _expect_16_byte_rows(counts, ll.COMBINE_SEND_ROWS * next_pow2(H) * 2, ll.NUM_WARPS)
 
 
 def _ll_dispatch_constexprs(fp8: bool, topk: int = K) -> Dict[str, object]:
     payload_words, scale_words = (H // 4, H // 128) if fp8 else (H // 2, 0)
     return dict(H=H, K=topk, R=R, FP8=fp8, ROUND=False, UE8M0=False, XW=payload_words, SW=scale_words,
-                SLOT_W=payload_words + scale_words, HAS_MASK=False, AUTO_MASK=False, BLOCK_H=_next_pow2(H),
-                BLOCK_K=topk, BLOCK_R=R, BLOCK_G=_next_pow2(H) // 128 if fp8 else 1, HAS_STATS=False,
-                BLOCK_RN=_next_pow2(R * 128), BLOCK_X=_next_pow2(payload_words),
-                BLOCK_S=_next_pow2(max(scale_words, 1)), ROWS=ll.RECV_ROWS, AHEAD=True, PDL=True)
+                SLOT_W=payload_words + scale_words, HAS_MASK=False, AUTO_MASK=False, BLOCK_H=next_pow2(H),
+                BLOCK_K=topk, BLOCK_R=R, BLOCK_G=next_pow2(H) // 128 if fp8 else 1, HAS_STATS=False,
+                BLOCK_RN=next_pow2(R * 128), BLOCK_X=next_pow2(payload_words),
+                BLOCK_S=next_pow2(max(scale_words, 1)), ROWS=ll.RECV_ROWS, AHEAD=True, PDL=True)
 
 
 # (top-32 without shrink: a send loop carrying the next token's ids failed to compile there with Triton 3.6)
@@ -118,16 +122,17 @@ def _ll_dispatch_constexprs(fp8: bool, topk: int = K) -> Dict[str, object]:
                          [(True, False, K), (False, False, K), (True, True, K), (False, False, 32)],
                          ids=["fp8", "bf16", "fp8-shrink", "bf16-top32"])
 def test_low_latency_dispatch_send_moves_rows_in_16_bytes(fp8, shrink, topk):
-    counts = _accesses(ll_dispatch.ll_dispatch_send_kernel, ll.NUM_WARPS,
-                       dict(_ll_dispatch_constexprs(fp8, topk), HAS_MASK=shrink, AUTO_MASK=shrink), ("num_max_tokens",))
+    counts = _accesses(ll_dispatch.ll_dispatch_kernel, ll.NUM_WARPS,
+                       dict(_ll_dispatch_constexprs(fp8, topk), **SEND, HAS_MASK=shrink, AUTO_MASK=shrink),
+                       ("num_max_tokens",))
     # the bf16 row is loaded once and stored (as e4m3 or bf16) once per destination rank
-    _expect_16_byte_rows(counts, _next_pow2(H) * 2, ll.NUM_WARPS, stores=False)
-    _expect_16_byte_rows(counts, _next_pow2(H) * (1 if fp8 else 2), ll.NUM_WARPS, loads=False)
+    _expect_16_byte_rows(counts, next_pow2(H) * 2, ll.NUM_WARPS, stores=False)
+    _expect_16_byte_rows(counts, next_pow2(H) * (1 if fp8 else 2), ll.NUM_WARPS, loads=False)
 
 
 def test_low_latency_dispatch_receive_copies_rows_in_16_bytes():
-    constexprs = _ll_dispatch_constexprs(True)
-    counts = _accesses(ll_dispatch.ll_dispatch_recv_kernel, ll.RECV_WARPS, constexprs, ("num_max_tokens",))
+    constexprs = dict(_ll_dispatch_constexprs(True), **RECEIVE)
+    counts = _accesses(ll_dispatch.ll_dispatch_kernel, ll.RECV_WARPS, constexprs, ("num_max_tokens",))
     _expect_16_byte_rows(counts, ll.RECV_ROWS * constexprs["BLOCK_X"] * 4, ll.RECV_WARPS)
 
 
@@ -136,24 +141,25 @@ def test_low_latency_kernels_wait_for_the_previous_kernel_only_when_chained(pdl)
     """Launched as programmatic dependents, the send and receive kernels must wait for the previous kernel (its
     writes are not visible before): griddepcontrol.wait, once, before any global load or store; no early
     trigger for the next kernel."""
-    for kernel, constexprs in [(ll_dispatch.ll_dispatch_send_kernel, _ll_dispatch_constexprs(True)),
-                               (ll_dispatch.ll_dispatch_recv_kernel, _ll_dispatch_constexprs(True)),
-                               (ll_combine.ll_combine_send_kernel, dict(LL_COMBINE, OWN_FROM_X=True)),
-                               (ll_combine.ll_combine_recv_kernel, dict(LL_COMBINE, OWN_FROM_X=True))]:
+    for name, kernel, constexprs in [
+            ("dispatch send", ll_dispatch.ll_dispatch_kernel, dict(_ll_dispatch_constexprs(True), **SEND)),
+            ("dispatch receive", ll_dispatch.ll_dispatch_kernel, dict(_ll_dispatch_constexprs(True), **RECEIVE)),
+            ("combine send", ll_combine.ll_combine_kernel, dict(LL_COMBINE, **SEND, OWN_FROM_X=True)),
+            ("combine receive", ll_combine.ll_combine_kernel, dict(LL_COMBINE, **RECEIVE, OWN_FROM_X=True))]:
         ptx = _ptx(kernel, 4, dict(constexprs, PDL=pdl), LL_STRIDES if kernel.__name__.startswith("ll_combine")
                    else ("num_max_tokens",))
-        assert ptx.count("griddepcontrol.wait") == int(pdl), kernel.__name__
-        assert "griddepcontrol.launch_dependents" not in ptx, kernel.__name__
+        assert ptx.count("griddepcontrol.wait") == int(pdl), name
+        assert "griddepcontrol.launch_dependents" not in ptx, name
         if pdl:   # before the first access to global memory
             accesses = re.finditer(r"\b(ld|st|atom|red)(\.[a-z0-9_]+)*?\.global", ptx)
             first_access = min(match.start() for match in accesses)
-            assert ptx.index("griddepcontrol.wait") < first_access, kernel.__name__
+            assert ptx.index("griddepcontrol.wait") < first_access, name
 
 
 def _dispatch_constexprs() -> Dict[str, object]:
     words = H // 2   # bf16 rows, moved as int32 words
-    return dict(C=12, R=R, XW=words, SW=0, K=K, HAS_W=True, ID_OFF=words, BLOCK_X=_next_pow2(words), BLOCK_S=1,
-                BLOCK_K=K, BLOCK_R=R, ROWS=_rows_per_step(words, DISPATCH_TILE))
+    return dict(C=12, R=R, XW=words, SW=0, K=K, HAS_W=True, ID_OFF=words, BLOCK_X=next_pow2(words), BLOCK_S=1,
+                BLOCK_K=K, BLOCK_R=R, ROWS=rows_per_step(words, DISPATCH_TILE))
 
 
 NORMAL_POINTERS = {"x_ptr": "*i32", "out_x_ptr": "*i32"}
@@ -165,7 +171,7 @@ def test_normal_dispatch_moves_rows_in_16_bytes(protocol):
     if protocol == "direct":
         kernel, constexprs = direct.direct_dispatch_kernel, dict(constexprs, AMAX=48)
     else:
-        kernel, constexprs = dispatch.dispatch_kernel, dict(constexprs, CMAX=64, OWN_BY_SENDER=True)
+        kernel, constexprs = dispatch.dispatch_kernel, dict(constexprs, CMAX=64)
     counts = _accesses(kernel, NUM_WARPS, constexprs, ("slot_words", "ring_words"), NORMAL_POINTERS)
     _expect_16_byte_rows(counts, constexprs["ROWS"] * constexprs["BLOCK_X"] * 4, NUM_WARPS)
 
@@ -173,8 +179,8 @@ def test_normal_dispatch_moves_rows_in_16_bytes(protocol):
 @pytest.mark.parametrize("biases", [0, 1, 2])
 @pytest.mark.parametrize("protocol", ["direct", "rings"])
 def test_normal_combine_moves_rows_in_16_bytes(protocol, biases):
-    constexprs = dict(R=R, H=H, K=K, X_OFF=_combine_slot(K, H)[0], HAS_BIAS0=biases >= 1, HAS_BIAS1=biases == 2,
-                      BLOCK_H=_next_pow2(H), BLOCK_K=K, BLOCK_R=R, ROWS=_rows_per_step(H, COMBINE_TILE))
+    constexprs = dict(R=R, H=H, K=K, X_OFF=combine_slot(K, H)[0], HAS_BIAS0=biases >= 1, HAS_BIAS1=biases == 2,
+                      BLOCK_H=next_pow2(H), BLOCK_K=K, BLOCK_R=R, ROWS=rows_per_step(H, COMBINE_TILE))
     if protocol == "direct":
         kernel = direct.direct_combine_kernel
         constexprs = dict(constexprs, C=12, AMAX=48, REDUCE_ROWS=max(1, constexprs["ROWS"] // 2))
@@ -186,13 +192,13 @@ def test_normal_combine_moves_rows_in_16_bytes(protocol, biases):
 
 @pytest.mark.parametrize("own_from_x", [False, True])
 def test_low_latency_fused_combine_moves_rows_in_16_bytes(own_from_x):
-    counts = _accesses(ll_combine.ll_combine_kernel, ll.NUM_WARPS, dict(LL_COMBINE, OWN_FROM_X=own_from_x),
+    counts = _accesses(ll_combine.ll_combine_kernel, ll.NUM_WARPS, dict(LL_COMBINE, **FUSED, OWN_FROM_X=own_from_x),
                        LL_STRIDES, fp_fusion=False)
-    _expect_16_byte_rows(counts, ll.COMBINE_SEND_ROWS * _next_pow2(H) * 2, ll.NUM_WARPS)
+    _expect_16_byte_rows(counts, ll.COMBINE_SEND_ROWS * next_pow2(H) * 2, ll.NUM_WARPS)
 
 
 def test_low_latency_fused_dispatch_moves_rows_in_16_bytes():
-    constexprs = _ll_dispatch_constexprs(True)
+    constexprs = dict(_ll_dispatch_constexprs(True), **FUSED)
     counts = _accesses(ll_dispatch.ll_dispatch_kernel, ll.NUM_WARPS, constexprs, ("num_max_tokens",))
     _expect_16_byte_rows(counts, ll.RECV_ROWS * constexprs["BLOCK_X"] * 4, ll.NUM_WARPS)
 
@@ -261,16 +267,16 @@ def _uniformity_cases():
                              PDL=True)
     rows = dict(C=4, R=r, XW=h // 2, SW=0, K=k, HAS_W=True, ID_OFF=h // 2, BLOCK_X=h // 2, BLOCK_S=1, BLOCK_K=k,
                 BLOCK_R=r, ROWS=4)
-    combine_rows = dict(R=r, H=h, K=k, X_OFF=_combine_slot(k, h)[0], HAS_BIAS0=True, HAS_BIAS1=False, BLOCK_H=h,
+    combine_rows = dict(R=r, H=h, K=k, X_OFF=combine_slot(k, h)[0], HAS_BIAS0=True, HAS_BIAS1=False, BLOCK_H=h,
                         BLOCK_K=k, BLOCK_R=r, ROWS=4)
     return {
-        "ll dispatch send": (ll_dispatch.ll_dispatch_send_kernel, ll_dispatch_shapes),
-        "ll dispatch receive": (ll_dispatch.ll_dispatch_recv_kernel, ll_dispatch_shapes),
-        "ll dispatch fused": (ll_dispatch.ll_dispatch_kernel, ll_dispatch_shapes),
-        "ll combine send": (ll_combine.ll_combine_send_kernel, ll_combine_shapes),
-        "ll combine receive": (ll_combine.ll_combine_recv_kernel, ll_combine_shapes),
-        "ll combine fused": (ll_combine.ll_combine_kernel, ll_combine_shapes),
-        "dispatch rings": (dispatch.dispatch_kernel, dict(rows, CMAX=8, OWN_BY_SENDER=False)),
+        "ll dispatch send": (ll_dispatch.ll_dispatch_kernel, dict(ll_dispatch_shapes, **SEND)),
+        "ll dispatch receive": (ll_dispatch.ll_dispatch_kernel, dict(ll_dispatch_shapes, **RECEIVE)),
+        "ll dispatch fused": (ll_dispatch.ll_dispatch_kernel, dict(ll_dispatch_shapes, **FUSED)),
+        "ll combine send": (ll_combine.ll_combine_kernel, dict(ll_combine_shapes, **SEND)),
+        "ll combine receive": (ll_combine.ll_combine_kernel, dict(ll_combine_shapes, **RECEIVE)),
+        "ll combine fused": (ll_combine.ll_combine_kernel, dict(ll_combine_shapes, **FUSED)),
+        "dispatch rings": (dispatch.dispatch_kernel, dict(rows, CMAX=8)),
         "dispatch direct": (direct.direct_dispatch_kernel, dict(rows, AMAX=8)),
         "combine rings": (combine.combine_kernel, dict(combine_rows, C=4, CMAX=8)),
         "combine direct": (direct.direct_combine_kernel, dict(combine_rows, C=4, AMAX=8, REDUCE_ROWS=2)),
