@@ -101,15 +101,18 @@ def main() -> None:
     parser.add_argument("old_root", type=Path)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--keep", type=Path, help="a folder to keep the two hash outputs in (old.txt, new.txt)")
     args = parser.parse_args()
     roots = {"old": args.old_root.resolve(), "new": NEW_ROOT}
     lines: List[str] = []
     failed = False
     if "hashes" in args.parts:
-        with tempfile.TemporaryDirectory() as folder:
+        with tempfile.TemporaryDirectory() as scratch:
+            folder = args.keep or Path(scratch)
+            folder.mkdir(parents=True, exist_ok=True)
             outputs = {}
             for which, root in roots.items():
-                outputs[which] = Path(folder, f"{which}.txt")
+                outputs[which] = folder / f"{which}.txt"
                 outputs[which].write_text(_run(root, ["benchmarks/output_hashes.py"], 600))
                 print(f"hashes ({which}): {outputs[which].read_text().splitlines()[-1]}", flush=True)
             compared = subprocess.run([sys.executable, str(HERE / "output_hashes.py"), "--compare",
