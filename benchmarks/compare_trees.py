@@ -81,6 +81,19 @@ def _normal_figures(text: str, label: str) -> Dict[str, float]:
             for entry in report.get("ops", {}).values() if entry.get("kernel_us")}
 
 
+def _ratio_table(figures: Dict[str, Dict[str, List[float]]]) -> List[str]:
+    """One line per figure measured in both trees: medians over the rounds and new / old."""
+    if not figures["new"]:
+        return []
+    lines = [f"{'figure (us, median of rounds)':52s} {'old':>9s} {'new':>9s} {'new/old':>8s}"]
+    for name, values in figures["new"].items():
+        old = figures["old"].get(name)
+        if old:
+            before, after = statistics.median(old), statistics.median(values)
+            lines.append(f"{name:52s} {before:9.1f} {after:9.1f} {after / before:8.3f}")
+    return lines
+
+
 def _timed_parts(parts: List[str]) -> List[Tuple[str, List[str], float, object]]:
     runs = []
     if "host" in parts:
@@ -126,14 +139,8 @@ def main() -> None:
                 text = _run(roots[which], command, timeout_s)
                 for name, value in parse(text).items():
                     figures[which].setdefault(name, []).append(value)
-                print(f"round {round_ + 1} {title} ({which}) done", flush=True)
-    if figures["new"]:
-        lines.append(f"{'figure (us, median of rounds)':52s} {'old':>9s} {'new':>9s} {'new/old':>8s}")
-        for name, values in figures["new"].items():
-            old = figures["old"].get(name)
-            if old:
-                before, after = statistics.median(old), statistics.median(values)
-                lines.append(f"{name:52s} {before:9.1f} {after:9.1f} {after / before:8.3f}")
+            print(f"round {round_ + 1} {title} done; so far:\n" + "\n".join(_ratio_table(figures)), flush=True)
+    lines += _ratio_table(figures)
     print("\n".join(lines))
     sys.exit(1 if failed else 0)
 

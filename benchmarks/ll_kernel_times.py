@@ -61,7 +61,7 @@ def _time_one(buffer: Buffer, tokens: int, hidden: int, topk: int, experts: int,
     for event in prof.key_averages():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        op = next((name for name in ("dispatch", "combine") if name in event.key), event.key[:24])
+        op = next((name for name in ("dispatch", "combine") if name in event.key), event.key[:24].replace(" ", "_"))
         per_op[op] = per_op.get(op, 0.0) + event.device_time_total / replays
     return (f"{tokens:6d} {statistics.median(times):10.1f}  "
             + "  ".join(f"{name} {value:5.1f}" for name, value in sorted(per_op.items())))
