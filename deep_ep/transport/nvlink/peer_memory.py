@@ -3,9 +3,8 @@
 Each rank allocates one ordinary CUDA tensor, shares it as a CUDA IPC handle through the Buffer's own
 group (gloo, NCCL or mixed; several ranks per GPU work), and opens its peers' handles. The device table
 `bases[r]` holds the address of rank r's buffer as mapped in this process, for kernels that store into
-peers. Layout of each buffer (all offsets in bytes, identical on every rank):
-
-    [flags: int64 x FLAG_SLOTS][notify records: int32 [R, record]][staging: R x capacity slots]
+peers. What a buffer holds is its user's: header.py for the normal mode, low_latency.py for the low-latency
+area.
 """
 from __future__ import annotations
 
