@@ -43,7 +43,7 @@ class NVLinkTransport(Transport):
         self.status = StatusWords(group, int(timeout_s * 1e9))
         self.normal: Optional[NVLinkNormal] = None
         if num_nvl_bytes > 0:
-            self.normal = NVLinkNormal(group, topology, device, num_nvl_bytes, self.status)
+            self.normal = NVLinkNormal.open_on_group(group, topology, device, num_nvl_bytes, self.status)
             self.local_buffer = self.normal.local_buffer
         self.low_latency: Optional[NVLinkLowLatency] = None
         if num_low_latency_bytes > 0:

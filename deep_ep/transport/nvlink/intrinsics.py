@@ -42,6 +42,10 @@ if INTERPRETED:
         """(Launches run one after another here.)"""
 
     @triton.jit
+    def fence_sys():
+        """(Programs run one after another here, on coherent memory.)"""
+
+    @triton.jit
     def to_e4m3(x):
         """float32 (finite, |x| <= 448) -> e4m3, rounded to nearest even (the interpreter's cast rounds its own
         way): the significand is shifted to the e4m3 quantum at |x|, 2^(max(exponent, -6) - 3)."""
@@ -71,6 +75,12 @@ else:
         return tl.inline_asm_elementwise(
             "{ .reg .pred own, some; setp.ne.s32 own, $1, 0; bar.red.or.pred some, 0, own; selp.s32 $0, 1, 0, some; }",
             "=r,r", [flag.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1) != 0
+
+    @triton.jit
+    def fence_sys():
+        """A system-scope fence: this thread's earlier writes are visible to every GPU before its later ones."""
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
 
     @triton.jit
     def follow_previous_kernel():

@@ -118,21 +118,20 @@ class PlanTables(NamedTuple):
 class NVLinkNormal:
     """Normal-mode calls of one rank over its peer-mapped NVLink buffer: [header | rows area]."""
 
-    def __init__(self, group: Group, topology: Topology, device: torch.device, num_nvl_bytes: int,
+    def __init__(self, group: Group, topology: Topology, memory: torch.Tensor, peers: Any, num_nvl_bytes: int,
                  status: StatusWords) -> None:
-        from .peer_memory import PeerBuffers
+        """`memory`: this rank's buffer, [header (zeroed) | rows area]; `peers.bases`: every rank's buffer as
+        mapped here (an int64 tensor on its device), `peers.close()` unmaps them. Use `open_on_group` on GPUs."""
+        device = memory.device
         self.group, self.topology, self.device, self.status = group, topology, device, status
         self.timeout_ns = status.timeout_ns
         R = topology.num_ranks
         self.header = Header.for_ranks(R)
         # the rows area is the `num_nvl_bytes` users see (get_local_buffer_tensor); what they write there only meets
         # rows in transit, never the counters
-        memory = torch.empty(self.header.nbytes + _round_up(num_nvl_bytes, 16), dtype=torch.uint8, device=device)
-        memory[:self.header.nbytes].zero_()
         self.local_buffer = memory[self.header.nbytes:self.header.nbytes + num_nvl_bytes]
         self.total_words = memory.numel() // 4
-        torch.cuda.synchronize(device)
-        self.peers = PeerBuffers(memory, group)
+        self.peers = peers
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.layout_bad = torch.zeros(2, dtype=torch.int64, device=device)
         # layout.py's DONE and SUMS, zeros between calls; SUMS is set up at the first call
@@ -142,11 +141,22 @@ class NVLinkNormal:
         scratch = torch.zeros(4 + R, dtype=torch.int64, device=device)   # value checks of a dispatch
         self.checks, self.mismatch = scratch[:4], scratch[4:]
         self._no_ids = torch.zeros(1, dtype=torch.int64, device=device)   # topk_idx of a dispatch without one
-        self._signatures: Dict[tuple, int] = {}   # _signature's results
+        self._signatures: Dict[tuple, int] = {}   # _call_signature's results
         self._channels: Optional[int] = None
         self._plans: Dict[int, Plan] = {}   # id(recv_src_idx of a handle) -> plan, forgotten with the handle
         self._launches: Dict[tuple, Any] = {}   # per kernel and shape (_launch)
         self._geometries: Dict[tuple, DispatchGeometry] = {}
+
+    @classmethod
+    def open_on_group(cls, group: Group, topology: Topology, device: torch.device, num_nvl_bytes: int,
+                      status: StatusWords) -> "NVLinkNormal":
+        """A rank's normal mode with its buffer mapped into every rank of `group` (CUDA IPC; collective)."""
+        from .peer_memory import PeerBuffers
+        header_bytes = Header.for_ranks(topology.num_ranks).nbytes
+        memory = torch.empty(header_bytes + _round_up(num_nvl_bytes, 16), dtype=torch.uint8, device=device)
+        memory[:header_bytes].zero_()
+        torch.cuda.synchronize(device)
+        return cls(group, topology, memory, PeerBuffers(memory, group), num_nvl_bytes, status)
 
     # ---- bookkeeping -------------------------------------------------------------------------------
     def _launch(self, key: tuple, make: Callable[[], Any]) -> Any:
@@ -198,6 +208,10 @@ class NVLinkNormal:
         """Slots of `slot_words` words in the rows area."""
         return (self.total_words - self.header.ring_word) // slot_words
 
+    def _capturing(self) -> bool:
+        """Whether the current stream captures a CUDA graph (never on CPU memory: the interpreted tests)."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
     def _remember(self, recv_src_idx: torch.Tensor, plan: Plan) -> None:
         key = id(recv_src_idx)
         self._plans[key] = plan
@@ -210,8 +224,7 @@ class NVLinkNormal:
         recv_src_idx = handle[3]
         plan = self._plans.get(id(recv_src_idx))
         if plan is None:
-            plan = plan_from_handle(handle, self.topology.rank,
-                                    read_shares=not torch.cuda.is_current_stream_capturing())
+            plan = plan_from_handle(handle, self.topology.rank, read_shares=not self._capturing())
             self._remember(recv_src_idx, plan)
         return plan
 
@@ -231,7 +244,7 @@ class NVLinkNormal:
         from .layout import COPY_BLOCK, HISTOGRAM_MAX, layout_kernel
         R = self.topology.num_ranks
         if self.layout_sums.numel() < R + num_experts:
-            if torch.cuda.is_current_stream_capturing():   # its zero-fill would only run at the first replay
+            if self._capturing():   # its zero-fill would only run at the first replay
                 raise RuntimeError(f"get_dispatch_layout: call it once with num_experts={num_experts} outside CUDA "
                                    "graph capture first (it sets up the kernel's accumulator, which a capture cannot)")
             self._retired_layout_sums.append(self.layout_sums)   # graphs captured with it still use it

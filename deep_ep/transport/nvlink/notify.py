@@ -11,7 +11,8 @@ d raised after it had read table e % 2 in notify e; so a row is never overwritte
 import triton
 import triton.language as tl
 
-from .sync import fence_sys, wait_at_least
+from .intrinsics import fence_sys
+from .sync import wait_at_least
 from .status import WAIT_NOTIFY
 
 

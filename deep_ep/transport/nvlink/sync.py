@@ -37,11 +37,6 @@ RECEIVED_UNIT = tl.constexpr(1 << 16)
 
 
 @triton.jit
-def fence_sys():
-    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def report_timeout(status_ptr, code, peer):
     if tl.atomic_cas(status_ptr, 0, code, sem="relaxed", scope="sys") == 0:
         tl.atomic_xchg(status_ptr + 1, peer, sem="relaxed", scope="sys")
