@@ -12,7 +12,8 @@ grad, grad of combine = dispatch of the grad.
 from __future__ import annotations
 
 import traceback
-from typing import List
+from dataclasses import dataclass
+from typing import Any, List, Tuple
 
 import torch
 
@@ -97,78 +98,124 @@ def run_autograd(ctx, seed: int, cases: List[NormalCase]) -> List[str]:
     return errors
 
 
+@dataclass
+class AutogradRun:
+    """One autograd case on one rank: every rank's inputs, the model's dispatch to every rank, and this rank's
+    token destinations."""
+    ctx: Any
+    buffer: Any
+    seed: int
+    case: NormalCase
+    chk: NormalChecker
+
+    def __post_init__(self) -> None:
+        num_ranks, rank = self.ctx.world_size, self.ctx.rank
+        self.num_experts = num_ranks * self.case.experts_per_rank
+        self.sources = make_sources(self.seed, self.case, num_ranks, None)
+        self.expected = [model.dispatch(self.sources, g, self.num_experts, num_channels=Buffer_channels())
+                         for g in range(num_ranks)]
+        self.rows_of = [e.rows for e in self.expected]
+        self.me = self.sources[rank]
+        self.in_rank = self.me.layout.is_token_in_rank
+        self.num_dest = self.in_rank.sum(dim=1, keepdim=True)
+        self.idx = self.me.topk_idx.to(self.ctx.device)
+
+    def random(self, what: str, shapes: List[Tuple[int, ...]], dtype: torch.dtype = torch.bfloat16) \
+            -> List[torch.Tensor]:
+        """Every rank's wide_random tensor of its shape in `shapes`, drawn from the generator keyed `what`."""
+        return [wide_random(generator(self.seed, self.case.name, what, g), *shape, dtype=dtype)
+                for g, shape in enumerate(shapes)]
+
+    def times_num_dest(self, v: torch.Tensor) -> torch.Tensor:
+        """`v` times the number of destination ranks of each token; a token sent nowhere comes back as +0."""
+        return torch.where(self.num_dest > 0, v.float() * self.num_dest, torch.zeros(())).to(torch.bfloat16)
+
+    def fused_dispatch(self, x: torch.Tensor, probs: torch.Tensor) -> tuple:
+        """FusedDispatch of `x` with this rank's top-k ids and `probs`, in the case's async_finish mode."""
+        return FusedDispatch.apply(x, self.idx, probs, self.num_experts, self.buffer, self.case.async_finish)
+
+
 def autograd_case(ctx, buffer, seed: int, case: NormalCase, chk: NormalChecker) -> None:
-    num_ranks, rank, device = ctx.world_size, ctx.rank, ctx.device
-    num_experts = num_ranks * case.experts_per_rank
-    hidden, num_topk = case.hidden, case.topk
-    async_finish = case.async_finish
-    sources = make_sources(seed, case, num_ranks, None)
-    expected = [model.dispatch(sources, g, num_experts, num_channels=Buffer_channels()) for g in range(num_ranks)]
-    rows_of = [e.rows for e in expected]
-    me = sources[rank]
-    in_rank = me.layout.is_token_in_rank
-    num_dest = in_rank.sum(dim=1, keepdim=True)
+    """The round trip forward and backward, then the gradients of dispatch and of combine, each checked."""
+    run = AutogradRun(ctx, buffer, seed, case, chk)
+    x, probs, out = check_round_trip_forward(run)
+    check_round_trip_backward(run, x, probs, out)
+    recv_x, handle = check_grad_of_dispatch(run)
+    check_grad_of_combine(run, recv_x, handle)
 
-    def times_num_dest(v: torch.Tensor) -> torch.Tensor:  # a token sent nowhere comes back as +0
-        return torch.where(num_dest > 0, v.float() * num_dest, torch.zeros(())).to(torch.bfloat16)
 
-    # ---- 1. combine(dispatch(x)) == x * (number of destination ranks): small integers keep it exact
-    xs = [torch.randint(-8, 9, (s.num_tokens, hidden), generator=generator(seed, case.name, "int-x", g))
-          .to(torch.bfloat16) for g, s in enumerate(sources)]
-    x = xs[rank].to(device).requires_grad_()
-    idx = me.topk_idx.to(device)
-    probs = me.topk_weights.to(device).requires_grad_()
-    recv_x, recv_idx, recv_probs, counts, handle = FusedDispatch.apply(x, idx, probs, num_experts, buffer, async_finish)
-    chk.equal("forward dispatch recv_x", recv_x, model.cached_dispatch(xs, rows_of[rank]))
-    chk.equal("forward dispatch recv_topk_idx", recv_idx, expected[rank].recv_topk_idx)
-    chk.equal("forward dispatch recv_topk_weights", recv_probs, expected[rank].recv_topk_weights)
-    chk.equal("forward dispatch counts", counts, torch.tensor(expected[rank].num_recv_tokens_per_expert_list))
-    out = FusedCombine.apply(recv_x, buffer, handle)  # identity experts
-    chk.equal("combine(dispatch(x)) == x * num_destinations", out, times_num_dest(xs[rank]))
+def check_round_trip_forward(run: AutogradRun) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """combine(dispatch(x)) == x * (number of destination ranks): small integers keep it exact. Returns the
+    leaves x and probs and the round trip's output."""
+    chk, rank, expected = run.chk, run.ctx.rank, run.expected[run.ctx.rank]
+    xs = [torch.randint(-8, 9, (s.num_tokens, run.case.hidden),
+                        generator=generator(run.seed, run.case.name, "int-x", g)).to(torch.bfloat16)
+          for g, s in enumerate(run.sources)]
+    x = xs[rank].to(run.ctx.device).requires_grad_()
+    probs = run.me.topk_weights.to(run.ctx.device).requires_grad_()
+    recv_x, recv_idx, recv_probs, counts, handle = run.fused_dispatch(x, probs)
+    chk.equal("forward dispatch recv_x", recv_x, model.cached_dispatch(xs, run.rows_of[rank]))
+    chk.equal("forward dispatch recv_topk_idx", recv_idx, expected.recv_topk_idx)
+    chk.equal("forward dispatch recv_topk_weights", recv_probs, expected.recv_topk_weights)
+    chk.equal("forward dispatch counts", counts, torch.tensor(expected.num_recv_tokens_per_expert_list))
+    out = FusedCombine.apply(recv_x, run.buffer, handle)  # identity experts
+    chk.equal("combine(dispatch(x)) == x * num_destinations", out, run.times_num_dest(xs[rank]))
+    return x, probs, out
 
-    # ---- 2. backward through both: d/dx sum(out * G) = G * num_destinations (identity experts)
-    g_out = [wide_random(generator(seed, case.name, "g-out", g), s.num_tokens, hidden)
-             for g, s in enumerate(sources)]
-    (out.float() * g_out[rank].to(device).float()).sum().backward()
-    chk.equal("round-trip grad x == G * num_destinations", x.grad, times_num_dest(g_out[rank]))
-    chk.equal("round-trip grad probs (no prob path) == 0", probs.grad, torch.zeros_like(me.topk_weights))
 
-    # ---- 3. grad of dispatch == combine of the grad (x and probs)
-    x = me.x.to(device).requires_grad_()
-    probs = me.topk_weights.to(device).requires_grad_()
-    recv_x, recv_idx, recv_probs, counts, handle = FusedDispatch.apply(x, idx, probs, num_experts, buffer, async_finish)
-    chk.equal("dispatch recv_x", recv_x, expected[rank].recv_x)
-    g_recv = [wide_random(generator(seed, case.name, "g-recv", g), len(rows_of[g]), hidden)
-              for g in range(num_ranks)]
-    g_probs = [wide_random(generator(seed, case.name, "g-probs", g), len(rows_of[g]), num_topk, dtype=torch.float32)
-               for g in range(num_ranks)]
+def check_round_trip_backward(run: AutogradRun, x: torch.Tensor, probs: torch.Tensor, out: torch.Tensor) -> None:
+    """Backward through both: d/dx sum(out * G) = G * num_destinations (identity experts), and no gradient
+    reaches probs."""
+    g_out = run.random("g-out", [(s.num_tokens, run.case.hidden) for s in run.sources])
+    (out.float() * g_out[run.ctx.rank].to(run.ctx.device).float()).sum().backward()
+    run.chk.equal("round-trip grad x == G * num_destinations", x.grad, run.times_num_dest(g_out[run.ctx.rank]))
+    run.chk.equal("round-trip grad probs (no prob path) == 0", probs.grad, torch.zeros_like(run.me.topk_weights))
+
+
+def check_grad_of_dispatch(run: AutogradRun) -> Tuple[torch.Tensor, Any]:
+    """The gradient of dispatch (x and probs) == combine of the gradient; returns recv_x and the handle."""
+    chk, rank, device = run.chk, run.ctx.rank, run.ctx.device
+    x = run.me.x.to(device).requires_grad_()
+    probs = run.me.topk_weights.to(device).requires_grad_()
+    recv_x, recv_idx, recv_probs, counts, handle = run.fused_dispatch(x, probs)
+    chk.equal("dispatch recv_x", recv_x, run.expected[rank].recv_x)
+    received = [len(rows) for rows in run.rows_of]
+    g_recv = run.random("g-recv", [(num_rows, run.case.hidden) for num_rows in received])
+    g_probs = run.random("g-probs", [(num_rows, run.case.topk) for num_rows in received], dtype=torch.float32)
     loss = (recv_x.float() * g_recv[rank].to(device).float()).sum() + (recv_probs * g_probs[rank].to(device)).sum()
     loss.backward()
-    masked = [torch.where(expected[g].recv_topk_idx >= 0, g_probs[g], torch.zeros_like(g_probs[g]))
-              for g in range(num_ranks)]
-    exp_gx, exp_gp = model.combine(rank, in_rank, rows_of, g_recv, masked)
+    masked = [torch.where(e.recv_topk_idx >= 0, gp, torch.zeros_like(gp)) for e, gp in zip(run.expected, g_probs)]
+    exp_gx, exp_gp = model.combine(rank, run.in_rank, run.rows_of, g_recv, masked)
     chk.equal("grad x of dispatch == combine(grad)", x.grad, exp_gx)
     chk.equal("grad probs of dispatch == combine(masked grad)", probs.grad, exp_gp)
-    # the same, stated directly: d recv_probs[i, k] / d probs[t, k] = 1 on the rank owning the expert
-    analytic = torch.zeros(me.num_tokens, num_topk)
-    experts_per_rank = case.experts_per_rank
+    chk.equal("grad probs == analytic gradient", probs.grad, analytic_probs_grad(run, g_probs))
+    return recv_x, handle
+
+
+def analytic_probs_grad(run: AutogradRun, g_probs: List[torch.Tensor]) -> torch.Tensor:
+    """The gradient of probs stated directly: d recv_probs[i, k] / d probs[t, k] = 1 on the rank owning the
+    expert, so probs[t, k] gets that rank's g_probs entry of the row (this rank, t)."""
+    rank, me = run.ctx.rank, run.me
+    analytic = torch.zeros(me.num_tokens, run.case.topk)
     for t in range(me.num_tokens):
-        for k in range(num_topk):
+        for k in range(run.case.topk):
             e = int(me.topk_idx[t, k])
             if e >= 0:
-                g = e // experts_per_rank
-                analytic[t, k] = g_probs[g][rows_of[g].index((rank, t)), k]
-    chk.equal("grad probs == analytic gradient", probs.grad, analytic)
+                g = e // run.case.experts_per_rank
+                analytic[t, k] = g_probs[g][run.rows_of[g].index((rank, t)), k]
+    return analytic
 
-    # ---- 4. grad of combine == dispatch of the grad
+
+def check_grad_of_combine(run: AutogradRun, recv_x: torch.Tensor, handle: Any) -> None:
+    """The gradient of combine == dispatch of the gradient, and the combine's forward against the model."""
+    rank = run.ctx.rank
     y = recv_x.detach().clone().requires_grad_()
-    out = FusedCombine.apply(y, buffer, handle)
-    g_comb = [wide_random(generator(seed, case.name, "g-comb", g), s.num_tokens, hidden)
-              for g, s in enumerate(sources)]
-    (out.float() * g_comb[rank].to(device).float()).sum().backward()
-    chk.equal("grad of combine == dispatch(grad)", y.grad, model.cached_dispatch(g_comb, rows_of[rank]))
-    exp_out, _ = model.combine(rank, in_rank, rows_of, [e.recv_x for e in expected])
-    chk.equal("combine forward", out, exp_out)
+    out = FusedCombine.apply(y, run.buffer, handle)
+    g_comb = run.random("g-comb", [(s.num_tokens, run.case.hidden) for s in run.sources])
+    (out.float() * g_comb[rank].to(run.ctx.device).float()).sum().backward()
+    run.chk.equal("grad of combine == dispatch(grad)", y.grad, model.cached_dispatch(g_comb, run.rows_of[rank]))
+    exp_out, _ = model.combine(rank, run.in_rank, run.rows_of, [e.recv_x for e in run.expected])
+    run.chk.equal("combine forward", out, exp_out)
 
 
 def Buffer_channels() -> int:  # noqa: N802 - the default config's channel count

@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 import traceback
 import warnings
-from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -491,14 +491,50 @@ def _expect_runtime_error(chk: LowLatencyChecker, what: str, fn) -> None:
     chk.fail(what, "expected RuntimeError, nothing was raised")
 
 
-def run_pipeline(chk: LowLatencyChecker, ctx, seed: int, misuse: bool) -> None:
-    """Two micro-batches A and B with both dispatches and both combines in flight (hooks), as in DeepEP's
-    two-micro-batch overlap: dA dB hA cA(zero-copy) hB cB(out=) then the combine hooks. Shared stats tensors
-    accumulate over both batches. Without `misuse`, dispatch B (the call and its hook) and combine A's hook run
-    on other threads (vLLM's dual-batch overlap; on a rank of another GPU than the first, a thread that has not
-    set its device). With `misuse`: a third LL call while the call two before still has an un-run hook, and
-    hooks called twice, must raise RuntimeError and leave the buffer usable."""
-    num_ranks, rank = ctx.world_size, ctx.rank
+@dataclass
+class Pipeline:
+    """The two micro-batches A and B of run_pipeline on one rank: their inputs, the model's regions, the
+    dispatch options, the shared statistics tensors and what the calls so far returned."""
+    chk: LowLatencyChecker
+    ctx: Any
+    buf: Any
+    seed: int
+    misuse: bool
+    e_loc: int
+    n: int                             # num_max_dispatch_tokens_per_rank
+    hidden: int
+    num_experts: int
+    srcs: Dict[str, List[M.Source]]
+    regs: Dict[str, List[M.Region]]
+    opts: Dict[str, RoundOptions]
+    cum: torch.Tensor                  # cumulative_local_expert_recv_stats of both dispatches
+    wait: torch.Tensor                 # dispatch_wait_recv_cost_stats of both dispatches
+    call_elsewhere: Callable[[Callable[[], Any]], Any]
+    out: Dict[str, tuple] = field(default_factory=dict)            # the dispatches' outputs
+    ys: Dict[str, List[torch.Tensor]] = field(default_factory=dict)   # every rank's expert outputs
+    rows: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
+
+    def src(self, k: str) -> M.Source:
+        """This rank's inputs of micro-batch `k`."""
+        return self.srcs[k][self.ctx.rank]
+
+    def dispatch(self, k: str, opts: RoundOptions, *stats: torch.Tensor) -> tuple:
+        """ll_dispatch of micro-batch `k`'s tokens with `opts` (and the statistics tensors given)."""
+        return ll_dispatch(self.buf, self.ctx, self.src(k), self.n, self.num_experts, opts, *stats)
+
+    def dispatch_a_synchronously(self) -> tuple:
+        """A synchronous dispatch of micro-batch A's tokens (the misuse checks' third call)."""
+        return self.dispatch("A", replace(self.opts["B"], dispatch_mode="sync"))
+
+    def check_dispatch(self, k: str) -> None:
+        check_dispatch(self.chk, self.out[k], self.regs[k][self.ctx.rank], self.srcs[k], self.opts[k], self.n,
+                       self.hidden, self.num_experts)
+
+
+def start_pipeline(chk: LowLatencyChecker, ctx, seed: int, misuse: bool) -> Pipeline:
+    """A Buffer and the inputs of micro-batches A (FP8, some entries masked) and B (BF16, duplicated experts);
+    without `misuse`, calls "elsewhere" run on another thread."""
+    num_ranks = ctx.world_size
     e_loc, n, hidden, topk = 3, 8, 256, 4
     num_experts = e_loc * num_ranks
     buf = make_buffer(ctx, n, hidden, num_experts)
@@ -513,69 +549,114 @@ def run_pipeline(chk: LowLatencyChecker, ctx, seed: int, misuse: bool) -> None:
     wait = torch.zeros(num_ranks, dtype=torch.int64, device=ctx.device)
     call_elsewhere = (lambda fn: fn()) if misuse else run_on_another_thread
     chk.at(f"pipeline misuse={misuse}")
-    out = {"A": ll_dispatch(buf, ctx, srcs["A"][rank], n, num_experts, opts["A"], cum, wait),
-           "B": call_elsewhere(lambda: ll_dispatch(buf, ctx, srcs["B"][rank], n, num_experts, opts["B"], cum, wait))}
+    return Pipeline(chk, ctx, buf, seed, misuse, e_loc, n, hidden, num_experts, srcs, regs, opts, cum, wait,
+                    call_elsewhere)
+
+
+def dispatch_both_micro_batches(pipe: Pipeline) -> None:
+    """dA here, dB elsewhere, both with hooks and the shared statistics: hooks returned, no events."""
+    pipe.out = {"A": pipe.dispatch("A", pipe.opts["A"], pipe.cum, pipe.wait),
+                "B": pipe.call_elsewhere(lambda: pipe.dispatch("B", pipe.opts["B"], pipe.cum, pipe.wait))}
     for k in ("A", "B"):
-        chk.hook(f"dispatch {k}", out[k][4], True)
-        chk.event(f"dispatch {k}", out[k][3], False)
+        pipe.chk.hook(f"dispatch {k}", pipe.out[k][4], True)
+        pipe.chk.event(f"dispatch {k}", pipe.out[k][3], False)
+
+
+def check_third_call_refused_while_dispatch_a_hook_pends(pipe: Pipeline) -> None:
+    """A third LL call, dispatch or combine, while dA (the call two before) has an un-run hook raises."""
+    chk, ctx, src = pipe.chk, pipe.ctx, pipe.src("A")
+    _expect_runtime_error(chk, "third LL call (dispatch) while the call two before has an un-run hook",
+                          pipe.dispatch_a_synchronously)
+    _expect_runtime_error(chk, "third LL call (combine) while the call two before has an un-run hook",
+                          lambda: pipe.buf.low_latency_combine(
+                              torch.zeros(pipe.e_loc, ctx.world_size * pipe.n, pipe.hidden, dtype=torch.bfloat16,
+                                          device=ctx.device),
+                              src.topk_idx.to(ctx.device), src.topk_weights.to(ctx.device), pipe.out["A"][2]))
+
+
+def combine_a_zero_copy(pipe: Pipeline) -> tuple:
+    """cA through the zero-copy buffer with a hook (the call two before it is dA, whose hook ran); draws both
+    micro-batches' expert outputs first. Returns cA's outputs."""
+    ctx, rank, src = pipe.ctx, pipe.ctx.rank, pipe.src("A")
+    pipe.ys = {k: expert_outputs(pipe.seed, ("pipe", pipe.misuse, k), pipe.regs[k], pipe.n, pipe.hidden, False)
+               for k in pipe.srcs}
+    pipe.rows = {k: M.selection_rows(pipe.srcs[k], pipe.regs[k]) for k in pipe.srcs}
+    view = pipe.buf.get_next_low_latency_combine_buffer(pipe.out["A"][2])
+    view.copy_(pipe.ys["A"][rank].to(ctx.device))
+    return pipe.buf.low_latency_combine(torch.full_like(pipe.ys["A"][rank], float("nan")).to(ctx.device),
+                                        src.topk_idx.to(ctx.device), src.topk_weights.to(ctx.device),
+                                        pipe.out["A"][2], zero_copy=True, return_recv_hook=True)
+
+
+def combine_b(pipe: Pipeline, **kwargs: Any) -> tuple:
+    """low_latency_combine of micro-batch B's expert outputs with `kwargs`."""
+    ctx, src = pipe.ctx, pipe.src("B")
+    return pipe.buf.low_latency_combine(pipe.ys["B"][ctx.rank].to(ctx.device), src.topk_idx.to(ctx.device),
+                                        src.topk_weights.to(ctx.device), pipe.out["B"][2], **kwargs)
+
+
+def check_both_dispatches(pipe: Pipeline, wait_before: torch.Tensor) -> None:
+    """Both dispatches' outputs, and the shared statistics accumulated over both."""
+    rank, num_ranks = pipe.ctx.rank, pipe.ctx.world_size
+    pipe.check_dispatch("A")
+    pipe.check_dispatch("B")
+    pipe.chk.equal("cumulative stats over two in-flight dispatches", pipe.cum.cpu(),
+                   pipe.regs["A"][rank].count + pipe.regs["B"][rank].count)
+    check_wait_stats(pipe.chk, "dispatch_wait_recv_cost_stats (two dispatches)", pipe.wait, wait_before, num_ranks)
+
+
+def check_in_flight_combines(pipe: Pipeline, ca: tuple, cb: tuple, out_b: torch.Tensor) -> None:
+    """Both combines against the model, and cB's result is its out= tensor."""
+    rank, chk = pipe.ctx.rank, pipe.chk
+    for k, res in (("A", ca), ("B", cb)):
+        src = pipe.src(k)
+        expected = M.combine(rank, src.topk_idx, src.topk_weights, pipe.rows[k][rank], pipe.ys[k], pipe.e_loc)
+        chk.equal(f"in-flight combine {k}" + dup_note(src.topk_idx, res[0].cpu(), expected), res[0], expected)
+    chk.true("combine B returned out=", cb[0].data_ptr() == out_b.data_ptr() or out_b.numel() == 0)
+
+
+def check_buffer_after_the_pipeline(pipe: Pipeline) -> None:
+    """The returned dispatch tensors are fresh (dispatch A still intact after both combines reused the buffer
+    halves), and the buffer is still usable: one more synchronous round."""
+    misuse = pipe.misuse
+    pipe.chk.at(f"pipeline misuse={misuse} dispatch A after the combines")
+    pipe.check_dispatch("A")
+    run_round(pipe.chk.at(f"pipeline misuse={misuse} after"), pipe.ctx, pipe.buf, pipe.seed, ("pipe-after", misuse),
+              pipe.srcs["A"], pipe.regs["A"], pipe.n, pipe.num_experts, RoundOptions(stats=True))
+
+
+def run_pipeline(chk: LowLatencyChecker, ctx, seed: int, misuse: bool) -> None:
+    """Two micro-batches A and B with both dispatches and both combines in flight (hooks), as in DeepEP's
+    two-micro-batch overlap: dA dB hA cA(zero-copy) hB cB(out=) then the combine hooks. Shared stats tensors
+    accumulate over both batches. Without `misuse`, dispatch B (the call and its hook) and combine A's hook run
+    on other threads (vLLM's dual-batch overlap; on a rank of another GPU than the first, a thread that has not
+    set its device). With `misuse`: a third LL call while the call two before still has an un-run hook, and
+    hooks called twice, must raise RuntimeError and leave the buffer usable."""
+    pipe = start_pipeline(chk, ctx, seed, misuse)
+    dispatch_both_micro_batches(pipe)
     if misuse:
-        _expect_runtime_error(chk, "third LL call (dispatch) while the call two before has an un-run hook",
-                              lambda: ll_dispatch(buf, ctx, srcs["A"][rank], n, num_experts,
-                                                  replace(opts["B"], dispatch_mode="sync")))
-        _expect_runtime_error(chk, "third LL call (combine) while the call two before has an un-run hook",
-                              lambda: buf.low_latency_combine(torch.zeros(e_loc, num_ranks * n, hidden,
-                                                                          dtype=torch.bfloat16, device=ctx.device),
-                                                              srcs["A"][rank].topk_idx.to(ctx.device),
-                                                              srcs["A"][rank].topk_weights.to(ctx.device), out["A"][2]))
-    wait_before = wait.cpu().clone()
-    out["A"][4]()
+        check_third_call_refused_while_dispatch_a_hook_pends(pipe)
+    wait_before = pipe.wait.cpu().clone()
+    pipe.out["A"][4]()
     if misuse:
-        _expect_runtime_error(chk, "dispatch hook called twice", out["A"][4])
-    # cA: the call two before it is dA, whose hook ran
-    ys = {k: expert_outputs(seed, ("pipe", misuse, k), regs[k], n, hidden, False) for k in srcs}
-    rows = {k: M.selection_rows(srcs[k], regs[k]) for k in srcs}
-    view = buf.get_next_low_latency_combine_buffer(out["A"][2])
-    view.copy_(ys["A"][rank].to(ctx.device))
-    ca = buf.low_latency_combine(torch.full_like(ys["A"][rank], float("nan")).to(ctx.device),
-                                 srcs["A"][rank].topk_idx.to(ctx.device), srcs["A"][rank].topk_weights.to(ctx.device),
-                                 out["A"][2], zero_copy=True, return_recv_hook=True)
-    if misuse:
-        # cB now would be the third call after dB, whose hook has not run
+        _expect_runtime_error(chk, "dispatch hook called twice", pipe.out["A"][4])
+    ca = combine_a_zero_copy(pipe)
+    if misuse:   # cB now would be the third call after dB, whose hook has not run
         _expect_runtime_error(chk, "third LL call (combine) while dispatch B's hook is pending",
-                              lambda: buf.low_latency_combine(ys["B"][rank].to(ctx.device),
-                                                              srcs["B"][rank].topk_idx.to(ctx.device),
-                                                              srcs["B"][rank].topk_weights.to(ctx.device), out["B"][2]))
-    call_elsewhere(out["B"][4])
-    check_dispatch(chk, out["A"], regs["A"][rank], srcs["A"], opts["A"], n, hidden, num_experts)
-    check_dispatch(chk, out["B"], regs["B"][rank], srcs["B"], opts["B"], n, hidden, num_experts)
-    chk.equal("cumulative stats over two in-flight dispatches", cum.cpu(),
-              regs["A"][rank].count + regs["B"][rank].count)
-    check_wait_stats(chk, "dispatch_wait_recv_cost_stats (two dispatches)", wait, wait_before, num_ranks)
-    tb = srcs["B"][rank].x.shape[0]
-    out_b = torch.full((tb, hidden), float("nan"), dtype=torch.bfloat16, device=ctx.device)
-    cb = buf.low_latency_combine(ys["B"][rank].to(ctx.device), srcs["B"][rank].topk_idx.to(ctx.device),
-                                 srcs["B"][rank].topk_weights.to(ctx.device), out["B"][2], out=out_b,
-                                 return_recv_hook=True)
+                              lambda: combine_b(pipe))
+    pipe.call_elsewhere(pipe.out["B"][4])
+    check_both_dispatches(pipe, wait_before)
+    out_b = torch.full((pipe.src("B").x.shape[0], pipe.hidden), float("nan"), dtype=torch.bfloat16, device=ctx.device)
+    cb = combine_b(pipe, out=out_b, return_recv_hook=True)
     if misuse:
-        # a third call while cA's hook is pending
         _expect_runtime_error(chk, "third LL call (dispatch) while combine A's hook is pending",
-                              lambda: ll_dispatch(buf, ctx, srcs["A"][rank], n, num_experts,
-                                                  replace(opts["B"], dispatch_mode="sync")))
-    call_elsewhere(ca[2])
+                              pipe.dispatch_a_synchronously)
+    pipe.call_elsewhere(ca[2])
     cb[2]()
     if misuse:
         _expect_runtime_error(chk, "combine hook called twice", cb[2])
-    for k, res in (("A", ca), ("B", cb)):
-        expected = M.combine(rank, srcs[k][rank].topk_idx, srcs[k][rank].topk_weights, rows[k][rank], ys[k],
-                             e_loc)
-        chk.equal(f"in-flight combine {k}" + dup_note(srcs[k][rank].topk_idx, res[0].cpu(), expected), res[0], expected)
-    chk.true("combine B returned out=", cb[0].data_ptr() == out_b.data_ptr() or out_b.numel() == 0)
-    # returned dispatch tensors are fresh: still intact after both combines reused the buffer halves
-    check_dispatch(chk.at(f"pipeline misuse={misuse} dispatch A after the combines"), out["A"], regs["A"][rank],
-                   srcs["A"], opts["A"], n, hidden, num_experts)
-    # the buffer is still usable: one more synchronous round
-    run_round(chk.at(f"pipeline misuse={misuse} after"), ctx, buf, seed, ("pipe-after", misuse), srcs["A"], regs["A"],
-              n, num_experts, RoundOptions(stats=True))
+    check_in_flight_combines(pipe, ca, cb, out_b)
+    check_buffer_after_the_pipeline(pipe)
 
 
 def run_switch(chk: LowLatencyChecker, ctx, seed: int) -> None:
@@ -782,88 +863,142 @@ def run_shrink_automatic(ctx, seed: int, timeout_s: float) -> List[str]:
         return _shrink_automatic(ctx, seed, timeout_s, caught)
 
 
-def _shrink_automatic(ctx, seed: int, timeout_s: float, caught: List[warnings.WarningMessage]) -> List[str]:
-    chk = LowLatencyChecker(seed, ctx.rank)
-    num_ranks, rank = ctx.world_size, ctx.rank
-    e_loc, n, hidden = SHRINK_E_LOC, SHRINK_N, SHRINK_HIDDEN
-    num_experts = e_loc * num_ranks
-    buf = make_buffer(ctx, n, hidden, num_experts, enable_shrink=True, explicitly_destroy=True, timeout_s=timeout_s)
-    srcs = shrink_sources(seed, "shrink-automatic", num_ranks)
+@dataclass
+class AutomaticShrink:
+    """The automatic shrink scenario on one rank: its Buffer (with the scenario's timeout), every rank's inputs
+    and the scenario's calls, each checked against the model under the masks expected by then."""
+    chk: LowLatencyChecker
+    ctx: Any
+    buf: Any
+    seed: int
+    srcs: List[M.Source]
+    e_loc: int = SHRINK_E_LOC
+    n: int = SHRINK_N                  # num_max_dispatch_tokens_per_rank
+    hidden: int = SHRINK_HIDDEN
 
-    def masks_of(gone: List[int]) -> M.Masks:
-        return [[int(g in gone) for g in range(num_ranks)] for _ in range(num_ranks)]
+    def __post_init__(self) -> None:
+        self.num_experts = self.e_loc * self.ctx.world_size
 
-    def query(gone: List[int], what: str) -> None:
-        status = torch.full((num_ranks,), -7, dtype=torch.int32, device=ctx.device)
-        buf.low_latency_query_mask_buffer(status)
-        chk.equal(f"mask after {what}", status.cpu(), torch.tensor([int(g in gone) for g in range(num_ranks)],
-                                                                   dtype=torch.int32))
+    def masks_of(self, gone: List[int]) -> M.Masks:
+        """Every rank masks the ranks in `gone`."""
+        return [[int(g in gone) for g in range(self.ctx.world_size)] for _ in range(self.ctx.world_size)]
 
-    def dispatch(tag: str, i: int, masks: M.Masks):
-        regions = [M.dispatch_region(srcs, g, num_experts, masks) for g in range(num_ranks)]
+    def query(self, gone: List[int], what: str) -> None:
+        """low_latency_query_mask_buffer reports the ranks in `gone` masked, and no other."""
+        num_ranks = self.ctx.world_size
+        status = torch.full((num_ranks,), -7, dtype=torch.int32, device=self.ctx.device)
+        self.buf.low_latency_query_mask_buffer(status)
+        self.chk.equal(f"mask after {what}", status.cpu(),
+                       torch.tensor([int(g in gone) for g in range(num_ranks)], dtype=torch.int32))
+
+    def dispatch(self, tag: str, i: int, masks: M.Masks) -> Tuple[List[M.Region], tuple]:
+        """A checked dispatch with round i's options; returns the model's regions and the handle."""
+        rank, num_experts = self.ctx.rank, self.num_experts
+        regions = [M.dispatch_region(self.srcs, g, num_experts, masks) for g in range(self.ctx.world_size)]
         opts = round_options(i)
-        chk.at(f"automatic shrink, {tag}, dispatch opts={opts}")
-        out = ll_dispatch(buf, ctx, srcs[rank], n, num_experts, opts)
-        finish_dispatch(chk, out, opts)
-        handle = check_dispatch(chk, out, regions[rank], srcs, opts, n, hidden, num_experts)
+        self.chk.at(f"automatic shrink, {tag}, dispatch opts={opts}")
+        out = ll_dispatch(self.buf, self.ctx, self.srcs[rank], self.n, num_experts, opts)
+        finish_dispatch(self.chk, out, opts)
+        handle = check_dispatch(self.chk, out, regions[rank], self.srcs, opts, self.n, self.hidden, num_experts)
         return regions, out[2] if handle is None else handle
 
-    def combine(tag: str, i: int, regions, handle, masks: M.Masks) -> None:
-        chk.at(f"automatic shrink, {tag}, combine")
+    def combine(self, tag: str, i: int, regions: List[M.Region], handle: tuple, masks: M.Masks) -> None:
+        """A combine (synchronous, with a hook or async as i says) of random expert outputs, checked."""
+        rank, device = self.ctx.rank, self.ctx.device
+        self.chk.at(f"automatic shrink, {tag}, combine")
         mode = ("sync", "hook", "async")[i % 3]
-        ys = expert_outputs(seed, ("automatic", tag), regions, n, hidden, False)
-        src = srcs[rank]
-        combined, event, hook = buf.low_latency_combine(ys[rank].to(ctx.device), src.topk_idx.to(ctx.device),
-                                                        src.topk_weights.to(ctx.device), handle,
-                                                        async_finish=mode == "async", return_recv_hook=mode == "hook")
+        ys = expert_outputs(self.seed, ("automatic", tag), regions, self.n, self.hidden, False)
+        src = self.srcs[rank]
+        combined, event, hook = self.buf.low_latency_combine(
+            ys[rank].to(device), src.topk_idx.to(device), src.topk_weights.to(device), handle,
+            async_finish=mode == "async", return_recv_hook=mode == "hook")
         if hook is not None:
             hook()
         if mode == "async":
             event.current_stream_wait()
-        rows = M.selection_rows(srcs, regions)
-        chk.equal("combined_x", combined, M.combine(rank, src.topk_idx, src.topk_weights, rows[rank], ys, e_loc, masks))
+        rows = M.selection_rows(self.srcs, regions)
+        self.chk.equal("combined_x", combined,
+                       M.combine(rank, src.topk_idx, src.topk_weights, rows[rank], ys, self.e_loc, masks))
 
-    # every kind of call made below, first with everyone (its kernels are then compiled on every rank: a rank
-    # still compiling when the others' timeout ends would be masked)
-    for i in range(6):
-        regions, handle = dispatch("everyone", i, None)
-        combine("everyone", i, regions, handle, None)
-    # a clean while the ranks' masks differ (rank 0 alone masks rank 2): everyone still meets, nobody is masked
-    # by a timeout; then rank 0 unmasks it and everyone cleans again
+    def round(self, tag: str, i: int, masks: M.Masks) -> None:
+        """A dispatch and its combine, both under `masks`."""
+        regions, handle = self.dispatch(tag, i, masks)
+        self.combine(tag, i, regions, handle, masks)
+
+    def clean(self) -> None:
+        """clean_low_latency_buffer for the scenario's shape."""
+        self.buf.clean_low_latency_buffer(self.n, self.hidden, self.num_experts)
+
+    def leave(self) -> List[str]:
+        """A rank gone for good destroys its Buffer; returns its mismatches."""
+        self.buf.destroy()
+        return self.chk.errors
+
+
+def start_automatic_shrink(ctx, seed: int, timeout_s: float) -> AutomaticShrink:
+    """A shrink-mode Buffer that gives up on a rank after `timeout_s`, and the scenario's inputs."""
+    chk = LowLatencyChecker(seed, ctx.rank)
+    num_experts = SHRINK_E_LOC * ctx.world_size
+    buf = make_buffer(ctx, SHRINK_N, SHRINK_HIDDEN, num_experts, enable_shrink=True, explicitly_destroy=True,
+                      timeout_s=timeout_s)
+    srcs = shrink_sources(seed, "shrink-automatic", ctx.world_size)
+    return AutomaticShrink(chk, ctx, buf, seed, srcs)
+
+
+def check_cleans_while_masks_differ(shrink: AutomaticShrink) -> None:
+    """A clean while the ranks' masks differ (rank 0 alone masks rank 2): everyone still meets, nobody is masked
+    by a timeout; then rank 0 unmasks it and everyone cleans again."""
+    rank = shrink.ctx.rank
     if rank == 0:
-        buf.low_latency_update_mask_buffer(2, mask=True)
-    buf.clean_low_latency_buffer(n, hidden, num_experts)
-    query([2] if rank == 0 else [], "a clean with different masks")
+        shrink.buf.low_latency_update_mask_buffer(2, mask=True)
+    shrink.clean()
+    shrink.query([2] if rank == 0 else [], "a clean with different masks")
     if rank == 0:
-        buf.low_latency_update_mask_buffer(2, mask=False)
-    buf.clean_low_latency_buffer(n, hidden, num_experts)
-    regions, handle = dispatch("everyone after the cleans", 0, None)
-    combine("everyone after the cleans", 0, regions, handle, None)
-    if rank == 1:                                   # gone at its next dispatch
-        buf.destroy()
-        return chk.errors
-    regions, handle = dispatch("without rank 1", 1, masks_of([1]))
-    query([1], "the dispatch rank 1 missed")
-    if rank == 3:                                   # gone at its next combine
-        buf.destroy()
-        return chk.errors
-    combine("without ranks 1 and 3", 2, regions, handle, masks_of([1, 3]))
-    query([1, 3], "the combine rank 3 missed")
-    if rank == 4:                                   # gone at its next clean
-        buf.destroy()
-        return chk.errors
-    buf.clean_low_latency_buffer(n, hidden, num_experts)
-    query([1, 3, 4], "the clean rank 4 missed")
-    gone = [1, 3, 4]
+        shrink.buf.low_latency_update_mask_buffer(2, mask=False)
+    shrink.clean()
+
+
+def check_rounds_without(shrink: AutomaticShrink, gone: List[int]) -> None:
+    """The clean the last of `gone` missed masks it, then rounds among the others."""
+    shrink.clean()
+    shrink.query(gone, f"the clean rank {gone[-1]} missed")
     for i in (3, 4, 5):
-        regions, handle = dispatch(f"without {gone}", i, masks_of(gone))
-        combine(f"without {gone}", i, regions, handle, masks_of(gone))
-    query(gone, "rounds without them")
-    buf.destroy()
+        shrink.round(f"without {gone}", i, shrink.masks_of(gone))
+    shrink.query(gone, "rounds without them")
+
+
+def check_timeouts_warned(chk: LowLatencyChecker, caught: List[warnings.WarningMessage], gone: List[int]) -> None:
+    """A warning names every rank masked after a timeout."""
     said = " | ".join(str(w.message) for w in caught)
     chk.at("automatic shrink, warnings").true("a warning names every rank masked after a timeout",
                                               all(f"masked rank {g}" in said for g in gone), said)
-    return chk.errors
+
+
+def _shrink_automatic(ctx, seed: int, timeout_s: float, caught: List[warnings.WarningMessage]) -> List[str]:
+    """run_shrink_automatic's calls on one rank, the `caught` warnings recorded; returns the mismatches."""
+    shrink = start_automatic_shrink(ctx, seed, timeout_s)
+    rank = ctx.rank
+    # every kind of call made below, first with everyone (its kernels are then compiled on every rank: a rank
+    # still compiling when the others' timeout ends would be masked)
+    for i in range(6):
+        shrink.round("everyone", i, None)
+    check_cleans_while_masks_differ(shrink)
+    shrink.round("everyone after the cleans", 0, None)
+    if rank == 1:                                   # gone at its next dispatch
+        return shrink.leave()
+    regions, handle = shrink.dispatch("without rank 1", 1, shrink.masks_of([1]))
+    shrink.query([1], "the dispatch rank 1 missed")
+    if rank == 3:                                   # gone at its next combine
+        return shrink.leave()
+    shrink.combine("without ranks 1 and 3", 2, regions, handle, shrink.masks_of([1, 3]))
+    shrink.query([1, 3], "the combine rank 3 missed")
+    if rank == 4:                                   # gone at its next clean
+        return shrink.leave()
+    gone = [1, 3, 4]
+    check_rounds_without(shrink, gone)
+    shrink.buf.destroy()
+    check_timeouts_warned(shrink.chk, caught, gone)
+    return shrink.chk.errors
 
 
 # ---------------------------------------------------------------------------------------------------

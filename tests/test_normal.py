@@ -13,7 +13,8 @@ its processes).
 """
 from __future__ import annotations
 
-from typing import List
+from dataclasses import dataclass
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -132,7 +133,24 @@ def test_dispatch_moves_any_dtype_bit_for_bit(pool, world_size):
     report_mismatches(seed, lambda: pool(world_size).run(run_raw_dtypes, seed, case))
 
 
-def run_argument_semantics(ctx, seed: int, case: NormalCase) -> List[str]:
+@dataclass
+class ArgumentSemanticsRun:
+    """The argument-semantics checks' state on one rank: its inputs, the model's dispatch, the Buffer and the
+    layout of this rank's top-k ids."""
+    buffer: Any
+    chk: NormalChecker
+    seed: int
+    rank: int
+    dev: torch.device
+    num_ranks: int
+    me: model.Source
+    expected: model.DispatchResult
+    layout: Dict[str, Any]            # the layout arguments of a non-cached dispatch
+    topk: Dict[str, torch.Tensor]     # this rank's top-k ids and weights on its device
+
+
+def start_argument_semantics(ctx, seed: int, case: NormalCase) -> ArgumentSemanticsRun:
+    """The case's inputs, the model's dispatch for this rank, a Buffer and get_dispatch_layout's counts."""
     from deep_ep import Buffer
     num_ranks, rank, dev = ctx.world_size, ctx.rank, ctx.device
     num_experts = num_ranks * case.experts_per_rank
@@ -142,32 +160,52 @@ def run_argument_semantics(ctx, seed: int, case: NormalCase) -> List[str]:
     buffer = Buffer(ctx.group, nvl_bytes(), 0, explicitly_destroy=True, timeout_s=BUFFER_TIMEOUT_S)
     chk = NormalChecker(seed, case.name, rank)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(me.topk_idx.to(dev), num_experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     topk = dict(topk_idx=me.topk_idx.to(dev), topk_weights=me.topk_weights.to(dev))
-    # the per-expert list sums the callers' num_tokens_per_expert (spec 5.5), not what arrives
-    padded = buffer.dispatch(me.x.to(dev), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                             num_tokens_per_expert=per_expert + 3, **topk)
+    return ArgumentSemanticsRun(buffer, chk, seed, rank, dev, num_ranks, me, expected, layout, topk)
+
+
+def check_expert_list_sums_the_callers_counts(run: ArgumentSemanticsRun) -> tuple:
+    """The per-expert list sums the callers' num_tokens_per_expert (spec 5.5), not what arrives; returns the
+    dispatch's outputs (their handle serves the checks after)."""
+    chk, expected, layout = run.chk, run.expected, run.layout
+    padded = run.buffer.dispatch(run.me.x.to(run.dev), num_tokens_per_rank=layout["num_tokens_per_rank"],
+                                 is_token_in_rank=layout["is_token_in_rank"],
+                                 num_tokens_per_expert=layout["num_tokens_per_expert"] + 3, **run.topk)
     chk.true("list from the callers' num_tokens_per_expert + 3",
-             padded[3] == [c + 3 * num_ranks for c in expected.num_recv_tokens_per_expert_list],
-             f"got {padded[3]}, expected {expected.num_recv_tokens_per_expert_list} each + {3 * num_ranks}")
+             padded[3] == [c + 3 * run.num_ranks for c in expected.num_recv_tokens_per_expert_list],
+             f"got {padded[3]}, expected {expected.num_recv_tokens_per_expert_list} each + {3 * run.num_ranks}")
     chk.x_equal("recv_x with padded counts", padded[0], expected.recv_x)
-    # a cached dispatch ignores the layout arguments, expert_alignment and num_worst_tokens (spec 5.1, 6.3)
-    ignored = buffer.dispatch(me.x.to(dev), handle=padded[4], num_tokens_per_rank=torch.zeros(7), expert_alignment=0,
-                              num_worst_tokens=-5)
-    chk.x_equal("cached dispatch with ignored arguments recv_x", ignored[0], expected.recv_x)
+    return padded
+
+
+def check_cached_dispatch_ignores_layout_arguments(run: ArgumentSemanticsRun, handle: tuple) -> None:
+    """A cached dispatch ignores the layout arguments, expert_alignment and num_worst_tokens (spec 5.1, 6.3)."""
+    chk = run.chk
+    ignored = run.buffer.dispatch(run.me.x.to(run.dev), handle=handle, num_tokens_per_rank=torch.zeros(7),
+                                  expert_alignment=0, num_worst_tokens=-5)
+    chk.x_equal("cached dispatch with ignored arguments recv_x", ignored[0], run.expected.recv_x)
     chk.true("cached dispatch with ignored arguments: (recv_x, None, None, None, None, event)",
              all(v is None for v in ignored[1:5]), f"got {[type(v).__name__ for v in ignored[1:5]]}")
-    # a handle kept as a list serves as the tuple does (DeepEP only unpacks it)
-    chk.x_equal("cached dispatch through a list handle recv_x", buffer.dispatch(me.x.to(dev), handle=list(padded[4]))[0],
-                expected.recv_x)
-    chk.equal("combine through a list handle", buffer.combine(padded[0], list(padded[4]))[0].cpu(),
-              buffer.combine(padded[0], padded[4])[0].cpu())
-    # ranks passing rows of different dtypes (same hidden, same element size) are refused together, naming
-    # both; a cached dispatch too where it waits for the host (the reference transport: the NVLink one does not)
-    odd = me.x.view(torch.int16).to(torch.int32 if rank == 0 else torch.float32).to(dev)
-    calls = {"dispatch": lambda: buffer.dispatch(odd, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                 num_tokens_per_expert=per_expert)}
+
+
+def check_list_handle_serves_as_the_tuple(run: ArgumentSemanticsRun, recv_x: torch.Tensor, handle: tuple) -> None:
+    """A handle kept as a list serves as the tuple does (DeepEP only unpacks it)."""
+    chk, buffer = run.chk, run.buffer
+    chk.x_equal("cached dispatch through a list handle recv_x",
+                buffer.dispatch(run.me.x.to(run.dev), handle=list(handle))[0], run.expected.recv_x)
+    chk.equal("combine through a list handle", buffer.combine(recv_x, list(handle))[0].cpu(),
+              buffer.combine(recv_x, handle)[0].cpu())
+
+
+def check_dtypes_differing_between_ranks_are_refused(run: ArgumentSemanticsRun, handle: tuple) -> None:
+    """Ranks passing rows of different dtypes (same hidden, same element size) are refused together, naming
+    both; a cached dispatch too where it waits for the host (the reference transport: the NVLink one does not)."""
+    chk, buffer = run.chk, run.buffer
+    odd = run.me.x.view(torch.int16).to(torch.int32 if run.rank == 0 else torch.float32).to(run.dev)
+    calls = {"dispatch": lambda: buffer.dispatch(odd, **run.layout)}
     if buffer.transport_name == "reference":
-        calls["cached dispatch"] = lambda: buffer.dispatch(odd, handle=padded[4])
+        calls["cached dispatch"] = lambda: buffer.dispatch(odd, handle=handle)
     for what, call in calls.items():
         try:
             call()
@@ -176,14 +214,31 @@ def run_argument_semantics(ctx, seed: int, case: NormalCase) -> List[str]:
             chk.true(f"{what}: dtypes differing between ranks: the message names them",
                      all(part in str(error) for part in ("dtype is torch.", "torch.int32", "torch.float32")),
                      str(error))
-    # combine weights of top-k 1 whose one column has a stride other than 1 (contiguous all the same)
-    num_recv = padded[0].shape[0]
-    column = torch.rand(num_recv, generator=generator(seed, "column", rank)).reshape(1, num_recv).t()
-    got = buffer.combine(padded[0], padded[4], topk_weights=column.to(dev))[1]
-    same = buffer.combine(padded[0], padded[4], topk_weights=column.reshape(-1).clone().view(num_recv, 1).to(dev))[1]
-    chk.equal("combined top-k 1 weights of a strided column", got.cpu(), same.cpu())
-    buffer.destroy()
-    return chk.errors
+
+
+def check_strided_top1_combine_weights(run: ArgumentSemanticsRun, recv_x: torch.Tensor, handle: tuple) -> None:
+    """Combine weights of top-k 1 whose one column has a stride other than 1 (contiguous all the same) combine
+    as a dense copy of them does."""
+    buffer, dev = run.buffer, run.dev
+    num_recv = recv_x.shape[0]
+    column = torch.rand(num_recv, generator=generator(run.seed, "column", run.rank)).reshape(1, num_recv).t()
+    got = buffer.combine(recv_x, handle, topk_weights=column.to(dev))[1]
+    same = buffer.combine(recv_x, handle, topk_weights=column.reshape(-1).clone().view(num_recv, 1).to(dev))[1]
+    run.chk.equal("combined top-k 1 weights of a strided column", got.cpu(), same.cpu())
+
+
+def run_argument_semantics(ctx, seed: int, case: NormalCase) -> List[str]:
+    """Caller-supplied counts, ignored arguments of a cached dispatch, list handles, dtypes differing between
+    ranks and strided combine weights, in that order on one Buffer; returns the mismatches."""
+    run = start_argument_semantics(ctx, seed, case)
+    padded = check_expert_list_sums_the_callers_counts(run)
+    recv_x, handle = padded[0], padded[4]
+    check_cached_dispatch_ignores_layout_arguments(run, handle)
+    check_list_handle_serves_as_the_tuple(run, recv_x, handle)
+    check_dtypes_differing_between_ranks_are_refused(run, handle)
+    check_strided_top1_combine_weights(run, recv_x, handle)
+    run.buffer.destroy()
+    return run.chk.errors
 
 
 def test_dispatch_argument_semantics(pool):
