@@ -67,8 +67,13 @@ def test_low_latency_launches_bind(use_fp8, use_logfmt):
     ll = NVLinkLowLatency(Topology(0, R, R), torch.zeros(64 << 20, dtype=torch.uint8), peers,
                           torch.zeros(4 + R, dtype=torch.int32), 10 ** 9, 132)
     options = LowLatencyOptions(use_fp8=use_fp8, round_scale=False, use_ue8m0=False)
+    supported = launcher.launch_options() or ()
+    ll.can_fuse = "launch_cooperative_grid" in supported   # (as on a GPU: the fused and chained launches too)
+    if "launch_pdl" in supported:
+        ll._chained = dict(PDL=True, launch_pdl=True)
     dispatch = ll._dispatch_plan(128, 7168, 32, 8, options, None, False, 0)
     combine = ll._combine_plan(128, 7168, 32 // R, 8, use_logfmt, None, False, 1, (128 * R * 7168, 7168, 1),
                                own_from_x=not use_logfmt)
     for plan in (dispatch, combine):
         assert isinstance(plan.send, launcher.Relaunch) and isinstance(plan.receive, launcher.Relaunch)
+        assert (plan.fused is not None) == ll.can_fuse
