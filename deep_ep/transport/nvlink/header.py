@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...config import _round_up
+
 CMAX = 64                      # most channels (num_sms / 2) an operation may use
 MAX_EXPERTS_PER_RANK = 1024
 _REGION_ALIGN = 256
@@ -32,10 +34,6 @@ def _counter_regions(num_ranks: int):
     R = num_ranks
     return (("notify", R), ("tail", R * CMAX), ("head", R * CMAX), ("sent", R * CMAX), ("recvd", R * CMAX),
             ("arrive", 2 * R * CMAX), ("done", R), ("ops", 1), ("ticket", 1))
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from ...checks import disagreement
+from ...config import _round_up
 from ...group import Group, Topology
 from ...streams import allocate_outputs
 from ..base import DispatchOutput
@@ -59,10 +60,6 @@ _NOTIFY_VARY = ("colsum_ptr", "per_expert_ptr", "channel_counts_ptr", "signature
 _PLAN_VARY = ("received_ptr", "channel_counts_ptr", "prefix_ptr", "recv_count_ptr", "recv_base_ptr", "rank_prefix_ptr",
               "channel_prefix_ptr", "recv_channel_prefix_ptr", "push_row0_ptr", "combine_row0_ptr", "payload_ptr",
               "expert_alignment")
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 class DispatchGeometry(NamedTuple):
@@ -130,7 +127,7 @@ class NVLinkNormal:
         # the rows area is the `num_nvl_bytes` users see (get_local_buffer_tensor); what they write there only meets
         # rows in transit, never the counters
         self.local_buffer = memory[self.header.nbytes:self.header.nbytes + num_nvl_bytes]
-        self.total_words = memory.numel() // 4
+        self.rows_words = memory.numel() // 4 - self.header.ring_word   # int32 words of the rows area
         self.peers = peers
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.layout_bad = torch.zeros(2, dtype=torch.int64, device=device)
@@ -189,12 +186,11 @@ class NVLinkNormal:
     def _rings(self, slot_words: int, num_channels: int, what: str) -> Tuple[int, int, int]:
         """(words per ring, slots per ring, tokens per flow-control step) for slots of `slot_words`."""
         R = self.topology.num_ranks
-        rows_words = self.total_words - self.header.ring_word
-        ring_words = rows_words // (R * num_channels) // 4 * 4
+        ring_words = self.rows_words // (R * num_channels) // 4 * 4
         slots = ring_words // slot_words
         if slots < 1:
             need = R * num_channels * slot_words * 4
-            raise ValueError(f"{what}: num_nvl_bytes={rows_words * 4} is too small for the NVLink transport with "
+            raise ValueError(f"{what}: num_nvl_bytes={self.rows_words * 4} is too small for the NVLink transport with "
                              f"{num_channels} channels and rows of {slot_words * 4} bytes: need at least {need} (one "
                              "row per ring)")
         return ring_words, slots, min(BATCH, slots)
@@ -206,7 +202,7 @@ class NVLinkNormal:
 
     def _capacity(self, slot_words: int) -> int:
         """Slots of `slot_words` words in the rows area."""
-        return (self.total_words - self.header.ring_word) // slot_words
+        return self.rows_words // slot_words
 
     def _capturing(self) -> bool:
         """Whether the current stream captures a CUDA graph (never on CPU memory: the interpreted tests)."""
@@ -311,7 +307,7 @@ class NVLinkNormal:
         key = tuple(call.values())
         signature = self._signatures.get(key)
         if signature is None:
-            fields = ("dispatch", *key, self.total_words)
+            fields = ("dispatch", *key, self.rows_words)
             signature = self._signatures[key] = zlib.crc32(repr(fields).encode()) & 0x7FFFFFFF
         return signature
 

@@ -5,8 +5,8 @@ One pinned int32 tensor per Buffer, shared by every kernel of its transport (nor
   [2] BAD_INPUT: the code of the first bad input a low-latency kernel saw (0: none);  [3] its value;
   [4 + r] why shrink mode masked rank r (a wait code, or MASKED_BY_PEER; 0: not masked).
 Kernels set a code with a compare-and-swap from 0, so the first report wins; the host reads the words
-without a wait (pinned memory) at the start of each call and raises the error that `timeout_error`,
-`bad_input_error` or `mask_warning` word.
+without a wait (pinned memory) at the start of each call (StatusWords) and raises or warns with the messages
+below.
 """
 from __future__ import annotations
 
