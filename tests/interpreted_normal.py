@@ -11,6 +11,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from compare import record_difference
 from randomness import base_seed, generator
 from deep_ep.fp8 import per_token_cast_to_fp8
 from deep_ep.group import Group, Topology
@@ -25,18 +26,12 @@ NUM_NVL_BYTES = 1 << 20   # every ring holds all rows: a sender never waits for 
 
 
 def _same(failures: List[str], what: str, got, expected) -> None:
-    if got is None or expected is None:
-        if (got is None) != (expected is None):
-            failures.append(f"{what}: {got is None=} but {expected is None=}")
-        return
-    if isinstance(got, list) or isinstance(expected, list):
-        if list(got) != list(expected):
+    """record_difference for tensors (or None), plain equality for the per-expert lists."""
+    if isinstance(expected, list):
+        if got != expected:
             failures.append(f"{what}: {got} != {expected}")
         return
-    if got.shape != expected.shape or got.dtype != expected.dtype:
-        failures.append(f"{what}: {got.dtype}{list(got.shape)} != {expected.dtype}{list(expected.shape)}")
-    elif not torch.equal(got.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)):
-        failures.append(f"{what}: contents differ")
+    record_difference(failures, what, got, expected)
 
 
 def _normal_mode(group: Group, topology: Topology) -> NVLinkNormal:

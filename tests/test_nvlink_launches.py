@@ -15,25 +15,18 @@ from deep_ep.transport.nvlink import launcher  # noqa: E402
 from deep_ep.transport.nvlink.header import Header  # noqa: E402
 from deep_ep.transport.nvlink.low_latency import NVLinkLowLatency  # noqa: E402
 from deep_ep.transport.nvlink.normal import DispatchGeometry, NVLinkNormal  # noqa: E402
+from deep_ep.transport.nvlink.status import StatusWords  # noqa: E402
 
 R = 2
 
 
 def _normal_mode(num_ranks: int = R, rows_bytes: int = 1 << 20) -> NVLinkNormal:
-    """Rank 0's normal mode with CPU stand-ins for its buffers (only what the launches are built from)."""
-    normal = NVLinkNormal.__new__(NVLinkNormal)
-    normal.topology = Topology(0, num_ranks, num_ranks)
-    normal.header = Header.for_ranks(num_ranks)
-    normal.total_words = normal.header.ring_word + rows_bytes // 4
-    normal.peers = SimpleNamespace(bases=torch.zeros(num_ranks, dtype=torch.int64))
-    normal.status = SimpleNamespace(tensor=torch.zeros(4 + num_ranks, dtype=torch.int32))
-    normal.timeout_ns = 10 ** 9
-    normal.layout_sums = torch.zeros(num_ranks + 64, dtype=torch.int32)   # (as after a first layout of 64 experts)
-    normal._retired_layout_sums = []
-    normal.device = torch.device("cpu")
-    for name in ("layout_done", "epoch", "layout_bad", "checks", "mismatch"):
-        setattr(normal, name, torch.zeros(4, dtype=torch.int64))
-    return normal
+    """Rank 0's normal mode on CPU memory, its peer table and group stood in for (no launch runs)."""
+    group = SimpleNamespace(rank=0, size=num_ranks)
+    memory = torch.zeros(Header.for_ranks(num_ranks).nbytes + rows_bytes, dtype=torch.uint8)
+    peers = SimpleNamespace(bases=torch.zeros(num_ranks, dtype=torch.int64))
+    return NVLinkNormal(group, Topology(0, num_ranks, num_ranks), memory, peers, rows_bytes,
+                        StatusWords(group, 10 ** 9))
 
 
 @pytest.mark.parametrize("direct", [False, True])
