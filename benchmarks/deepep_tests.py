@@ -102,15 +102,16 @@ def _bench_kineto(fn, kernel_names, num_tests: int = 30, suppress_kineto_output:
 
 def _kernel_times(fn, kernel_names, num_tests: int = 30, suppress_kineto_output: bool = False, trace_path=None,
                   barrier_comm_profiling: bool = False, num_kernels_per_period: int = 1):
-    """DeepEP's bench_kineto for test_internode (the reference transport): the GPU seconds per call of all kernels
-    whose names contain each of `kernel_names`; with `num_kernels_per_period` > 1 (receive hooks), a list of
-    the seconds per call of each phase, the matching kernels taken in launch order, period by period.
+    """DeepEP's bench_kineto for test_internode (the reference transport), which times whole calls (no receive
+    hooks, so one phase): the GPU seconds per call of all kernels whose names contain each of `kernel_names`.
 
     Calls with no kernel of a name (the reference transport, e.g. test_internode's, runs torch ops and
     collectives): the whole call's GPU time, timed with events, goes to the first such name and 0 to the
     others (test_internode's `notify`), so that the script's tuning loops still compare configurations."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+    if num_kernels_per_period != 1:
+        raise NotImplementedError(f"num_kernels_per_period must be 1 here, got {num_kernels_per_period}")
     for _ in range(num_tests):   # (DeepEP's profiles a second round: the first warms up)
         fn()
     torch.cuda.synchronize()
@@ -138,19 +139,12 @@ def _kernel_times(fn, kernel_names, num_tests: int = 30, suppress_kineto_output:
     for name in names:
         seconds = [(event.time_range.end - event.time_range.start) / 1e6 for event in kernels if name in event.name]
         if not seconds:
-            per_phase = [unmatched_seconds] + [0.0] * (num_kernels_per_period - 1)
-            results.append(per_phase if num_kernels_per_period > 1 else unmatched_seconds)
+            results.append(unmatched_seconds)
             unmatched_seconds = 0.0
             continue
-        phases_apart = num_kernels_per_period > 1 and len(seconds) != num_tests * num_kernels_per_period
-        if len(seconds) % num_tests or phases_apart:   # (with phases, exactly one kernel of each a call)
-            raise AssertionError(f"{len(seconds)} kernels named *{name}* in {num_tests} calls of "
-                                 f"{num_kernels_per_period} phase(s)")
-        if num_kernels_per_period > 1:
-            results.append([sum(seconds[phase::num_kernels_per_period]) / num_tests
-                            for phase in range(num_kernels_per_period)])
-        else:
-            results.append(sum(seconds) / num_tests)
+        if len(seconds) % num_tests:
+            raise AssertionError(f"{len(seconds)} kernels named *{name}* in {num_tests} calls")
+        results.append(sum(seconds) / num_tests)
     return tuple(results) if isinstance(kernel_names, tuple) else results[0]
 
 
