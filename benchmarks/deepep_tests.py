@@ -7,15 +7,15 @@ print DeepEP's own figures.
     python benchmarks/deepep_tests.py DEEPEP_TESTS_DIR test_intranode --num-processes 2 --num-tokens 256 --hidden 1024
 
 On GPUs the script runs as it is (NCCL, `cuda:local_rank`), DeepEP's kernel timing (`bench_kineto`, which
-wants one profiler row per kernel name: `dispatch`, `combine`) included: each operation here launches one
-kernel name containing its name. DeepEP's timing reports a name's mean time per launch: without receive
-hooks a low-latency call here is two launches (send, receive; one up to 4 tokens) where DeepEP's is one, so
-its figure is half the call's kernel time. Replaced: the per-phase timing of calls with receive hooks
-(DeepEP's finds a phase's kernels by a C++ namespace, `::dispatch`; here each phase's kernels are taken in
-launch order), and all of `test_internode`'s: its groups span nodes, where this package runs the reference
-transport (torch collectives, no kernel of those names), so the replacement gives the whole call's GPU time
-to the first name. Nodes there are DeepEP's: WORLD_SIZE and RANK name this
-host's node among several hosts.
+wants one profiler row per kernel name: `dispatch`, `combine`, and with receive hooks finds the two phases'
+kernels by `::dispatch`, `::combine`) included: each low-latency operation here launches one kernel, which
+profilers show as `deep_ep::low_latency::dispatch()` (or `combine`). DeepEP's timing reports a name's mean
+time per launch: with receive hooks that is per phase, as for DeepEP; without, a low-latency call here is two
+launches (send, receive; one up to 4 tokens) where DeepEP's is one, so its figure is half the call's kernel
+time. Only `test_internode` gets a replacement timing: its groups span nodes, where this package runs the
+reference transport (torch collectives, no kernel of those names), so the replacement gives the whole call's
+GPU time to the first name. Nodes there are DeepEP's: WORLD_SIZE and RANK name this host's node among several
+hosts.
 
 Without GPUs, or with `--cpu` before the tests folder, it runs on CPU tensors over gloo with what the script
 cannot do there replaced: tensors it creates with `device='cuda'` are made on the CPU, `init_dist` starts a
@@ -103,16 +103,16 @@ def _bench_kineto(fn, kernel_names, num_tests: int = 30, suppress_kineto_output:
 
 def _kernel_times(fn, kernel_names, num_tests: int = 30, suppress_kineto_output: bool = False, trace_path=None,
                   barrier_comm_profiling: bool = False, num_kernels_per_period: int = 1):
-    """DeepEP's bench_kineto: the GPU seconds per call of all kernels whose names contain each of
-    `kernel_names`; with `num_kernels_per_period` > 1 (receive hooks), a list of the seconds per call of each
-    phase, the matching kernels taken in launch order, period by period. (DeepEP's own finds a phase's kernels
-    by a C++ namespace, `::dispatch`, which a Triton kernel's name does not have.)
+    """DeepEP's bench_kineto for test_internode (the reference transport), which times whole calls (no receive
+    hooks, so one phase): the GPU seconds per call of all kernels whose names contain each of `kernel_names`.
 
     Calls with no kernel of a name (the reference transport, e.g. test_internode's, runs torch ops and
     collectives): the whole call's GPU time, timed with events, goes to the first such name and 0 to the
     others (test_internode's `notify`), so that the script's tuning loops still compare configurations."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+    if num_kernels_per_period != 1:
+        raise NotImplementedError(f"num_kernels_per_period must be 1 here, got {num_kernels_per_period}")
     for _ in range(num_tests):   # (DeepEP's profiles a second round: the first warms up)
         fn()
     torch.cuda.synchronize()
@@ -140,29 +140,13 @@ def _kernel_times(fn, kernel_names, num_tests: int = 30, suppress_kineto_output:
     for name in names:
         seconds = [(event.time_range.end - event.time_range.start) / 1e6 for event in kernels if name in event.name]
         if not seconds:
-            per_phase = [unmatched_seconds] + [0.0] * (num_kernels_per_period - 1)
-            results.append(per_phase if num_kernels_per_period > 1 else unmatched_seconds)
+            results.append(unmatched_seconds)
             unmatched_seconds = 0.0
             continue
-        phases_apart = num_kernels_per_period > 1 and len(seconds) != num_tests * num_kernels_per_period
-        if len(seconds) % num_tests or phases_apart:   # (with phases, exactly one kernel of each a call)
-            raise AssertionError(f"{len(seconds)} kernels named *{name}* in {num_tests} calls of "
-                                 f"{num_kernels_per_period} phase(s)")
-        if num_kernels_per_period > 1:
-            results.append([sum(seconds[phase::num_kernels_per_period]) / num_tests
-                            for phase in range(num_kernels_per_period)])
-        else:
-            results.append(sum(seconds) / num_tests)
+        if len(seconds) % num_tests:
+            raise AssertionError(f"{len(seconds)} kernels named *{name}* in {num_tests} calls")
+        results.append(sum(seconds) / num_tests)
     return tuple(results) if isinstance(kernel_names, tuple) else results[0]
-
-
-def _phases_apart(deepep_bench_kineto):
-    """DeepEP's bench_kineto, except per phase (receive hooks: `num_kernels_per_period` > 1), which
-    `_kernel_times` serves."""
-    def bench_kineto(fn, kernel_names, *args, num_kernels_per_period: int = 1, **kwargs):
-        timing = _kernel_times if num_kernels_per_period > 1 else deepep_bench_kineto
-        return timing(fn, kernel_names, *args, num_kernels_per_period=num_kernels_per_period, **kwargs)
-    return bench_kineto
 
 
 def _gather_into(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
@@ -184,8 +168,6 @@ def _run_rank(local_rank: int, num_local_ranks: int, args: argparse.Namespace, t
         utils.bench, utils.bench_kineto = _bench, _bench_kineto
     elif script == "test_internode":
         utils.bench_kineto = _kernel_times
-    else:
-        utils.bench_kineto = _phases_apart(utils.bench_kineto)
     if mode != "gpus":
         utils.init_dist = functools.partial(_init_dist, on_gpus=mode == "share")
     import deep_ep

@@ -1,4 +1,4 @@
-"""Low-latency kernel times on one rank: each call's send and receive kernel, from torch.profiler over
+"""Low-latency kernel times on one rank: each operation's kernels, from torch.profiler over
 CUDA-graph replays of dispatch (FP8) + combine, and the replayed round trip timed with CUDA events (behind a
 short GPU sleep, so that the graph's launch latency on the host is hidden, as behind a model's earlier work).
 

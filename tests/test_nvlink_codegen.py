@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Dict, Iterable, List, Optional
 
 import pytest
+import torch
 from dist_utils import SUPPORTED_TRITON
 
 triton = pytest.importorskip("triton", minversion=SUPPORTED_TRITON)
@@ -136,24 +137,39 @@ def test_low_latency_dispatch_receive_copies_rows_in_16_bytes():
     _expect_16_byte_rows(counts, ll.RECV_ROWS * constexprs["BLOCK_X"] * 4, ll.RECV_WARPS)
 
 
+def _ll_launches(phases=(SEND, RECEIVE)):
+    """(name, kernel, constexprs, ints divisible by 16) of each low-latency operation's launch in `phases`."""
+    names = {id(SEND): "send", id(RECEIVE): "receive", id(FUSED): "fused"}
+    for phase in phases:
+        yield (f"dispatch {names[id(phase)]}", ll_dispatch.ll_dispatch_kernel,
+               dict(_ll_dispatch_constexprs(True), **phase), ("num_max_tokens",))
+        yield (f"combine {names[id(phase)]}", ll_combine.ll_combine_kernel,
+               dict(LL_COMBINE, **phase, OWN_FROM_X=True), LL_STRIDES)
+
+
 @pytest.mark.parametrize("pdl", [True, False])
 def test_low_latency_kernels_wait_for_the_previous_kernel_only_when_chained(pdl):
     """Launched as programmatic dependents, the send and receive kernels must wait for the previous kernel (its
     writes are not visible before): griddepcontrol.wait, once, before any global load or store; no early
     trigger for the next kernel."""
-    for name, kernel, constexprs in [
-            ("dispatch send", ll_dispatch.ll_dispatch_kernel, dict(_ll_dispatch_constexprs(True), **SEND)),
-            ("dispatch receive", ll_dispatch.ll_dispatch_kernel, dict(_ll_dispatch_constexprs(True), **RECEIVE)),
-            ("combine send", ll_combine.ll_combine_kernel, dict(LL_COMBINE, **SEND, OWN_FROM_X=True)),
-            ("combine receive", ll_combine.ll_combine_kernel, dict(LL_COMBINE, **RECEIVE, OWN_FROM_X=True))]:
-        ptx = _ptx(kernel, 4, dict(constexprs, PDL=pdl), LL_STRIDES if kernel.__name__.startswith("ll_combine")
-                   else ("num_max_tokens",))
+    for name, kernel, constexprs, divisible in _ll_launches():
+        ptx = _ptx(kernel, 4, dict(constexprs, PDL=pdl), divisible)
         assert ptx.count("griddepcontrol.wait") == int(pdl), name
         assert "griddepcontrol.launch_dependents" not in ptx, name
         if pdl:   # before the first access to global memory
             accesses = re.finditer(r"\b(ld|st|atom|red)(\.[a-z0-9_]+)*?\.global", ptx)
             first_access = min(match.start() for match in accesses)
             assert ptx.index("griddepcontrol.wait") < first_access, name
+
+
+def test_low_latency_kernels_carry_one_cxx_style_name_per_operation():
+    """Every launch of an operation (send, receive, fused) is one kernel whose name profilers demangle to
+    `deep_ep::low_latency::<operation>()`, as DeepEP's `deep_ep::internode_ll::dispatch<...>`: DeepEP's timing
+    finds a receive hook's two phases by `::dispatch` / `::combine` in the profiler's names."""
+    for name, kernel, constexprs, divisible in _ll_launches((SEND, RECEIVE, FUSED)):
+        entries = re.findall(r"\.entry\s+(\w+)\(", _ptx(kernel, 4, constexprs, divisible))
+        assert [torch._C._demangle(entry) for entry in entries] == \
+            [f"deep_ep::low_latency::{name.split()[0]}()"], (name, entries)
 
 
 def _dispatch_constexprs() -> Dict[str, object]:

@@ -37,6 +37,14 @@ def next_pow2(value: int) -> int:
     return 1 << max(value - 1, 0).bit_length()
 
 
+def profiler_name(*scopes: str):
+    """`triton.jit`'s `repr` for a kernel that profilers should show as the C++ function `scopes[0]::...()`:
+    the kernel is named by its Itanium mangling, which they demangle (DeepEP's timing finds a receive hook's
+    two phases by `::dispatch` / `::combine` in those names)."""
+    symbol = "_ZN" + "".join(f"{len(scope)}{scope}" for scope in scopes) + "Ev"
+    return lambda _specialization: symbol
+
+
 def launch_options() -> Optional[frozenset]:
     """The launch options this Triton's CUDA backend takes (None where it cannot be asked)."""
     try:

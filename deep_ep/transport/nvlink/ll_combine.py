@@ -37,12 +37,13 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .intrinsics import follow_previous_kernel, to_bf16
+from .launcher import profiler_name
 from .status import WAIT_LL_COMBINE
 from .sync import (begin_send, claim_arrival, finish_receive, in_rank_bits, rank_bits, report_bad_ids, row_pointers,
                    send_share, wait_for_senders)
 
 
-@triton.jit
+@triton.jit(repr=profiler_name("deep_ep", "low_latency", "combine"))
 def ll_combine_kernel(x_ptr, layout_ptr, route_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, rank,
                       experts_per_rank, num_max_tokens, x_expert_stride, x_row_stride, rows_offset, arrived_offset,
                       received_offset, timeout_ns,

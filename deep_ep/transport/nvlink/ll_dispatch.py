@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .intrinsics import follow_previous_kernel, popcount, to_e4m3
+from .launcher import profiler_name
 from .status import TOO_MANY_ROWS, WAIT_LL_DISPATCH
 from .sync import (begin_send, claim_arrival, finish_receive, in_rank_bits, rank_bits, report_bad_ids, report_bad_input,
                    row_pointer, send_share, wait_for_senders)
@@ -45,7 +46,7 @@ from .sync import (begin_send, claim_arrival, finish_receive, in_rank_bits, rank
 FP8_MAX = tl.constexpr(448.0)
 
 
-@triton.jit
+@triton.jit(repr=profiler_name("deep_ep", "low_latency", "dispatch"))
 def ll_dispatch_kernel(x_ptr, idx_ptr, bases_ptr, mask_ptr, shrink_ptr, status_ptr, num_tokens, rank, num_experts,
                        experts_per_rank, num_max_tokens, masks_offset, slots_offset, arrived_offset,
                        received_offset, timeout_ns,

@@ -15,13 +15,13 @@ Nothing waits on the host, so dispatch and combine can be captured in a CUDA gra
 the GPU; bad ones count as no selection and are reported at the next low-latency call of the rank that passed
 them, like timeouts.
 
-Note [fused]: each operation is one kernel (ll_dispatch_kernel, ll_combine_kernel: a profiler shows one name
-per operation), launched in one of three ways. With a receive hook, a call is two launches: the send, which
-returns at once, and the receive, which the hook launches. Without one, and with at most FUSED_MAX_TOKENS
-tokens, one launch sends and then receives (one launch and one gap between graph nodes less, but the receive
-runs on the send's NUM_SENDERS programs of NUM_WARPS warps); its programs wait for each other, so it is
-launched as a cooperative grid, which CUDA runs only with all programs resident at once (settings.LL_FUSED
-off: never).
+Note [fused]: each operation is one kernel (ll_dispatch_kernel, ll_combine_kernel, which profilers show as
+deep_ep::low_latency::dispatch() and ::combine(), one name per operation as DeepEP's), launched in one of three
+ways. With a receive hook, a call is two launches: the send, which returns at once, and the receive, which the
+hook launches. Without one, and with at most FUSED_MAX_TOKENS tokens, one launch sends and then receives (one
+launch and one gap between graph nodes less, but the receive runs on the send's NUM_SENDERS programs of
+NUM_WARPS warps); its programs wait for each other, so it is launched as a cooperative grid, which CUDA runs
+only with all programs resident at once (settings.LL_FUSED off: never).
 
 Note [receive grids]: a receive launch has up to RECV_PROGRAMS_PER_SM programs of RECV_WARPS warps per SM. The
 dispatch receive takes one local expert per program, the combine receive a few (token, chunk) items: the
