@@ -212,24 +212,27 @@ class Group:
     # ranks a shrink mask marks failed: they may no longer call at all).
     def all_gather(self, tensor: torch.Tensor, what: str, ranks: Optional[Sequence[int]] = None) -> torch.Tensor:
         """All ranks' `tensor` stacked along a new first dim (with `ranks`, zeros for the others)."""
+        return self.start_all_gather(tensor, what, ranks).wait()
+
+    def start_all_gather(self, tensor: torch.Tensor, what: str, ranks: Optional[Sequence[int]] = None) -> "Pending":
+        """Start `all_gather`; `.wait()` on the result completes it (bounded) and returns what it returns."""
         self._check_usable()
         staged = self._stage(tensor).contiguous()
         if ranks is None:
             flat = staged.new_empty(self.size * staged.numel())
             with self._starting(what):
                 work = _all_gather_single(flat, staged.view(-1), group=self.group, async_op=True)
-            self.wait([(work, None)], what, flat)
-            return flat.view(self.size, *staged.shape).to(tensor.device)
+            return Pending(self, [(work, None)], what, flat,
+                           lambda: flat.view(self.size, *staged.shape).to(tensor.device))
         gathered = staged.new_zeros((self.size, *staged.shape))
         gathered[self.rank] = staged
         peers = [r for r in ranks if r != self.rank]
         works = self._point_to_point({r: staged for r in peers}, {r: gathered[r] for r in peers}, what)
-        self.wait(works, what, gathered)
-        return gathered.to(tensor.device)
+        return Pending(self, works, what, gathered, lambda: gathered.to(tensor.device))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]],
                    input_splits: Optional[Sequence[int]], what: str,
-                   ranks: Optional[Sequence[int]] = None) -> "PendingAllToAll":
+                   ranks: Optional[Sequence[int]] = None) -> "Pending":
         """Start `all_to_all_single` of rows (dim 0; `output` contiguous); `.wait()` on the result completes it
         (bounded) and fills `output`. Rows travel as bytes, so every dtype moves bit for bit, also those the
         backend has no reduction type for (gloo: float8, 16- and 64-bit unsigned, ...). With `ranks`, the
@@ -246,14 +249,14 @@ class Group:
                                               list(output_splits) if output_splits is not None else None,
                                               list(input_splits) if input_splits is not None else None,
                                               group=self.group, async_op=True)
-            return PendingAllToAll(self, [(work, None)], what, output, staged_out)
+            return Pending(self, [(work, None)], what, staged_out, lambda: _filled(output, staged_out))
         sends, receives = _blocks(staged_in, input_splits, self.size), _blocks(staged_out, output_splits, self.size)
         staged_out_own = receives[self.rank]
         staged_out_own.copy_(sends[self.rank])
         peers = [r for r in ranks if r != self.rank]
         works = self._point_to_point({r: sends[r] for r in peers if sends[r].numel()},
                                      {r: receives[r] for r in peers if receives[r].numel()}, what)
-        return PendingAllToAll(self, works, what, output, staged_out)
+        return Pending(self, works, what, staged_out, lambda: _filled(output, staged_out))
 
     def barrier(self, what: str, ranks: Optional[Sequence[int]] = None) -> None:
         """Wait for the ranks (`ranks`, default all; through an mpi4py communicator: all of them, unbounded). A
@@ -455,22 +458,27 @@ def _blocks(rows: torch.Tensor, splits: Optional[Sequence[int]], size: int) -> L
     return list(torch.split(rows, list(splits)))
 
 
-class PendingAllToAll:
-    """An all-to-all in flight; `wait()` completes it within the group's timeout."""
+def _filled(output: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+    """`output` with the bytes received into `staged` (the same memory unless the backend needed a copy)."""
+    target = rows_as_bytes(output)
+    if target.data_ptr() != staged.data_ptr():
+        target.copy_(staged)
+    return output
+
+
+class Pending:
+    """A collective in flight; `wait()` completes it within the group's timeout and returns its result."""
 
     def __init__(self, group: Group, works: List[Tuple[dist.Work, Optional[List[int]]]], what: str,
-                 output: torch.Tensor, staged: torch.Tensor) -> None:
-        self.group, self.works, self.what, self.output, self.staged = group, works, what, output, staged
-        self.done = False
+                 staged: torch.Tensor, finish: Callable[[], torch.Tensor]) -> None:
+        self.group, self.works, self.what, self.staged, self.finish = group, works, what, staged, finish
+        self.result: Optional[torch.Tensor] = None
 
     def wait(self) -> torch.Tensor:
-        """The output, once every part of the exchange has completed (one deadline for all of them; each work
-        with the ranks it waits on, None: every other rank)."""
-        if not self.done:
+        """The result, once every part of the collective has completed (one deadline for all of them; each
+        work with the ranks it waits on, None: every other rank)."""
+        if self.result is None:
             self.group._check_not_broken()   # after a failed wait: at once, not after another timeout
             self.group.wait(self.works, self.what, self.staged)
-            target = rows_as_bytes(self.output)
-            if target.data_ptr() != self.staged.data_ptr():
-                target.copy_(self.staged)
-            self.done = True
-        return self.output
+            self.result = self.finish()
+        return self.result

@@ -14,6 +14,12 @@ Note [rows travel alone]: the rows of x go in an all-to-all of their own, straig
 can, with no packing copy; the small per-row fields (scales, top-k ids, weights, metadata) travel packed beside
 them in a second one.
 
+Note [agreement overlaps]: a call starts its header exchange, then does the work that needs only this rank's
+inputs (choosing and gathering the rows to send, packing their fields, zeroing the accumulator), then completes
+the exchange: the headers travel while the rows are gathered. The data exchange itself starts only once every
+header has been checked, since a backend given blocks of different sizes by two ranks may abort the process
+(gloo does) instead of raising. A rank whose input values were refused completes the exchange at once.
+
 Note [handle routes]: a dispatch keeps the route of its rows (`_Route`) under the handle's tensor with a row per
 received row, so that its cached dispatches and combines need no host reads besides their own exchanges; a
 handle without one (made by another Buffer) gets it rebuilt from its tensors.
@@ -114,13 +120,10 @@ class _Route(NamedTuple):
     dispatch: int = -1          # the dispatch's call number (the same on every rank), -1 if rebuilt from a handle
 
 
-def _route(is_token_in_rank: torch.Tensor, recv_splits: Sequence[int],
-           send_splits: Optional[Sequence[int]] = None) -> _Route:
-    """The route of a dispatch; `send_splits` (the column sums of is_token_in_rank) when the host has them."""
+def _route(is_token_in_rank: torch.Tensor, recv_splits: Sequence[int]) -> _Route:
+    """The route of a dispatch, rebuilt from its `is_token_in_rank` and the rows it received from each rank."""
     destination, token = is_token_in_rank.t().nonzero(as_tuple=True)
-    if send_splits is None:
-        send_splits = is_token_in_rank.sum(0).tolist()
-    return _Route(destination, token, [int(n) for n in send_splits], [int(n) for n in recv_splits])
+    return _Route(destination, token, is_token_in_rank.sum(0).tolist(), [int(n) for n in recv_splits])
 
 
 def _routing(handle: tuple, internode: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -163,6 +166,13 @@ class ReferenceTransport(Transport):
 
         Returns the gathered `extra` rows ([R, 2 * R + 1]: up to 2 * R + 1 values a rank, e.g.
         `num_tokens_per_rank`), which must have the same length on every rank for the same operation."""
+        return self._start_agreement(op, fields, extra, ranks, check_values)()
+
+    def _start_agreement(self, op: str, fields: Dict[str, int], extra: Optional[torch.Tensor] = None,
+                         ranks: Optional[List[int]] = None, check_values: Optional[Callable[[], None]] = None
+                         ) -> Callable[[], torch.Tensor]:
+        """`_agree`, started: returns the function that completes it. Work of this rank alone can go between
+        the two while the headers travel (Note [agreement overlaps])."""
         self._call_number += 1
         bad_input: Optional[ValueError] = None
         if check_values is not None:
@@ -177,9 +187,21 @@ class ReferenceTransport(Transport):
         header[_HEADER_FIELDS - 1] = int(bad_input is not None)
         if extra is not None:
             header[_HEADER_FIELDS:_HEADER_FIELDS + extra.numel()] = extra.to("cpu", torch.int64)
-        gathered = self.group.all_gather(header, f"{op} (header exchange)", ranks)
-        if bad_input is not None:
-            raise bad_input
+        pending = self.group.start_all_gather(header, f"{op} (header exchange)", ranks)
+
+        def finish() -> torch.Tensor:
+            gathered = pending.wait()
+            if bad_input is not None:
+                raise bad_input
+            self._check_headers(op, fields, gathered, values, ranks)
+            return gathered[:, _HEADER_FIELDS:]
+        if bad_input is not None:   # nothing of this rank's may run on values it refused
+            finish()
+        return finish
+
+    def _check_headers(self, op: str, fields: Dict[str, int], gathered: torch.Tensor, values: List[int],
+                       ranks: Optional[List[int]]) -> None:
+        """Raise on every rank if a rank refused its input values or called with another operation or shapes."""
         taking_part = list(range(self.topology.num_ranks)) if ranks is None else ranks
         refused = [rank for rank in taking_part if gathered[rank, _HEADER_FIELDS - 1]]
         if refused:
@@ -196,25 +218,30 @@ class ReferenceTransport(Transport):
                                  f"{ops.get(int(theirs[0]), 'another operation')}: all ranks must make the same calls")
             raise ValueError(disagreement(op, ["call number"] + list(fields), mine[1:].tolist(), theirs[1:].tolist(),
                                           self.topology.rank, rank))
-        return gathered[:, _HEADER_FIELDS:]
 
-    def _agree_on_route(self, op: str, fields: Dict[str, int], route: "_Route") -> None:
-        """_agree, and check that the ranks' handles come from the same dispatch: what each rank's handle says
-        it sent to every rank is what that rank's handle says it received (else ValueError on every rank)."""
+    def _start_agreement_on_route(self, op: str, fields: Dict[str, int], route: "_Route") -> Callable[[], None]:
+        """`_start_agreement`, and on completion check that the ranks' handles come from the same dispatch: what
+        each rank's handle says it sent to every rank is what that rank's handle says it received (else
+        ValueError on every rank)."""
         R = self.topology.num_ranks
-        gathered = self._agree(op, fields, extra=torch.tensor(route.send_splits + route.recv_splits + [route.dispatch], device="cpu"))
-        sent, received, dispatches = gathered[:, :R], gathered[:, R:2 * R], gathered[:, 2 * R]
-        known = dispatches[dispatches >= 0]
-        if known.numel() and not bool((known == known[0]).all()):
-            raise ValueError(f"{op}: handle: the ranks passed handles of different dispatches (dispatch call numbers "
-                             f"{dispatches.tolist()} by rank, -1 where unknown); every rank must pass its handle of "
-                             "the same dispatch")
-        if not torch.equal(sent, received.t()):
-            source, destination = (int(i) for i in (sent != received.t()).nonzero()[0])
-            raise ValueError(f"{op}: handle: the ranks passed handles of different dispatches (rank {source}'s "
-                             f"handle has {int(sent[source, destination])} rows for rank {destination}, whose "
-                             f"handle has {int(received[destination, source])} from rank {source}); every rank must "
-                             "pass its handle of the same dispatch")
+        finish = self._start_agreement(op, fields, extra=torch.tensor(route.send_splits + route.recv_splits +
+                                                                      [route.dispatch], device="cpu"))
+
+        def check() -> None:
+            gathered = finish()
+            sent, received, dispatches = gathered[:, :R], gathered[:, R:2 * R], gathered[:, 2 * R]
+            known = dispatches[dispatches >= 0]
+            if known.numel() and not bool((known == known[0]).all()):
+                raise ValueError(f"{op}: handle: the ranks passed handles of different dispatches (dispatch call "
+                                 f"numbers {dispatches.tolist()} by rank, -1 where unknown); every rank must pass its "
+                                 "handle of the same dispatch")
+            if not torch.equal(sent, received.t()):
+                source, destination = (int(i) for i in (sent != received.t()).nonzero()[0])
+                raise ValueError(f"{op}: handle: the ranks passed handles of different dispatches (rank {source}'s "
+                                 f"handle has {int(sent[source, destination])} rows for rank {destination}, whose "
+                                 f"handle has {int(received[destination, source])} from rank {source}); every rank "
+                                 "must pass its handle of the same dispatch")
+        return check
 
     def _exchange_counts(self, per_destination: torch.Tensor, what: str,
                          ranks: Optional[List[int]] = None) -> torch.Tensor:
@@ -282,17 +309,9 @@ class ReferenceTransport(Transport):
         num_ranks, num_experts = topo.num_ranks, num_tokens_per_expert.numel()
         experts_per_rank = num_experts // num_ranks
         extra = torch.cat([num_tokens_per_rank.to("cpu", torch.int64), torch.tensor([num_worst_tokens], device="cpu")])
-        gathered_per_rank = self._agree("dispatch", dispatch_fields(
+        agreed = self._start_agreement("dispatch", dispatch_fields(
             x, x_scales, topk_idx, num_channels, num_experts=num_experts,
             has_weights=int(topk_weights is not None)), extra=extra, check_values=check_values)
-        # every rank knows what every rank receives and every rank's num_worst_tokens (each rank may pass its
-        # own): a rank that would receive more than its value makes all of them refuse together
-        receives, worst = gathered_per_rank[:, :num_ranks].sum(0), gathered_per_rank[:, num_ranks]
-        over = ((worst > 0) & (receives > worst)).nonzero()
-        if over.numel():
-            r = int(over[0])
-            raise ValueError(f"dispatch: num_worst_tokens={int(worst[r])} on rank {r} is smaller than the "
-                             f"{int(receives[r])} tokens it receives")
         # counts per destination: [per-expert counts of its experts | its channel counts | node channel counts]
         channel_counts = _channel_counts(is_token_in_rank, num_channels)             # [R, C]
         parts = [num_tokens_per_expert.view(num_ranks, experts_per_rank).to(torch.int64), channel_counts]
@@ -301,6 +320,18 @@ class ReferenceTransport(Transport):
             in_node = is_token_in_rank.view(-1, topo.num_nodes, topo.ranks_per_node).any(-1)
             node_channel_counts = _channel_counts(in_node, num_channels)              # [nodes, C]
             parts.append(node_channel_counts.repeat_interleave(topo.ranks_per_node, dim=0))
+        destination, token = is_token_in_rank.t().nonzero(as_tuple=True)
+        outgoing = self._dispatch_rows_to_send(x, x_scales, topk_idx, topk_weights, is_token_in_rank, destination,
+                                               token, with_token=True, with_node_mask=topo.is_internode)
+        gathered_per_rank = agreed()
+        # every rank knows what every rank receives and every rank's num_worst_tokens (each rank may pass its
+        # own): a rank that would receive more than its value makes all of them refuse together
+        receives, worst = gathered_per_rank[:, :num_ranks].sum(0), gathered_per_rank[:, num_ranks]
+        over = ((worst > 0) & (receives > worst)).nonzero()
+        if over.numel():
+            r = int(over[0])
+            raise ValueError(f"dispatch: num_worst_tokens={int(worst[r])} on rank {r} is smaller than the "
+                             f"{int(receives[r])} tokens it receives")
         received = self._exchange_counts(torch.cat(parts, dim=1), "dispatch (count exchange)").cpu()
         recv_expert_counts = received[:, :experts_per_rank]
         recv_channel_counts = received[:, experts_per_rank:experts_per_rank + num_channels]
@@ -311,11 +342,9 @@ class ReferenceTransport(Transport):
         num_rows = num_worst_tokens or num_recv
 
         # num_tokens_per_rank, the column sums of is_token_in_rank, came to the host with the header
-        route = _route(is_token_in_rank, recv_per_source.tolist(), gathered_per_rank[topo.rank, :num_ranks].tolist())
-        route = route._replace(dispatch=self._call_number)
-        recv = self._exchange_dispatch_rows(x, x_scales, topk_idx, topk_weights, is_token_in_rank, route, num_rows,
-                                            "dispatch (data exchange)", with_token=True,
-                                            with_node_mask=topo.is_internode)
+        route = _Route(destination, token, gathered_per_rank[topo.rank, :num_ranks].tolist(),
+                       recv_per_source.tolist(), self._call_number)
+        recv = self._exchange_dispatch_rows(outgoing, route, num_rows, "dispatch (data exchange)")
         out = self._place_rows(recv, x, x_scales, topk_idx, topk_weights, num_recv, num_rows, experts_per_rank)
 
         rank_prefix_matrix = torch.cumsum(gathered_per_rank[:, :num_ranks], dim=0).to(torch.int32)
@@ -337,15 +366,10 @@ class ReferenceTransport(Transport):
         out.num_recv_tokens_per_expert_list = [] if num_worst_tokens else aligned.tolist()
         return out
 
-    def _exchange_dispatch_rows(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, route: _Route,
-                                num_rows, what, with_token, with_node_mask):
-        """Send token t to every rank d with is_token_in_rank[t, d], in (d, t) order (Note [rows travel alone]).
-        Returns the received fields by name; `x` has `num_rows` rows, the received ones first."""
-        destination, token = route.destination, route.token
-        num_recv = sum(route.recv_splits)
-        recv_x = x.new_empty((num_rows, x.shape[1]))
-        pending_x = self.group.all_to_all(recv_x[:num_recv], _take(x, token), route.recv_splits, route.send_splits,
-                                          what)
+    def _dispatch_rows_to_send(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, destination, token,
+                               with_token, with_node_mask) -> Tuple[torch.Tensor, "_Packer"]:
+        """The rows of x for token t to every rank d with is_token_in_rank[t, d], in (d, t) order, and the
+        per-row fields packed beside them (Note [rows travel alone])."""
         packer = _Packer()
         if x_scales is not None:
             packer.add("scales", _take(x_scales, token))
@@ -358,9 +382,19 @@ class ReferenceTransport(Transport):
         if with_node_mask:
             node_of_destination = destination // self.topology.ranks_per_node
             packer.add("node_mask", self._node_masks(is_token_in_rank)[token, node_of_destination])
+        return _take(x, token), packer
+
+    def _exchange_dispatch_rows(self, outgoing: Tuple[torch.Tensor, "_Packer"], route: _Route, num_rows: int,
+                                what: str) -> Dict[str, torch.Tensor]:
+        """Send `_dispatch_rows_to_send`'s rows. Returns the received fields by name; `x` has `num_rows` rows,
+        the received ones first."""
+        rows_x, packer = outgoing
+        num_recv = sum(route.recv_splits)
+        recv_x = rows_x.new_empty((num_rows, rows_x.shape[1]))
+        pending_x = self.group.all_to_all(recv_x[:num_recv], rows_x, route.recv_splits, route.send_splits, what)
         rows: Dict[str, torch.Tensor] = {}
         if packer.fields:
-            received = self._exchange_rows(packer.pack(token.numel(), x.device), route.send_splits,
+            received = self._exchange_rows(packer.pack(rows_x.shape[0], rows_x.device), route.send_splits,
                                            route.recv_splits, what).wait()
             rows = packer.unpack(received)
         pending_x.wait()
@@ -444,11 +478,14 @@ class ReferenceTransport(Transport):
     def cached_dispatch(self, x, x_scales, handle, num_channels):
         is_token_in_rank, received_rows = _routing(handle, self.topology.is_internode)
         route = self._route_of(handle)
-        self._agree_on_route("dispatch (cached)", dispatch_fields(x, x_scales, None, num_channels), route)
+        agreed = self._start_agreement_on_route("dispatch (cached)", dispatch_fields(x, x_scales, None, num_channels),
+                                                route)
+        outgoing = self._dispatch_rows_to_send(x, x_scales, None, None, is_token_in_rank, route.destination,
+                                               route.token, with_token=False, with_node_mask=False)
+        agreed()
         num_recv = sum(route.recv_splits)
         num_rows = received_rows.shape[0]
-        recv = self._exchange_dispatch_rows(x, x_scales, None, None, is_token_in_rank, route, num_rows,
-                                            "cached dispatch (data exchange)", with_token=False, with_node_mask=False)
+        recv = self._exchange_dispatch_rows(outgoing, route, num_rows, "cached dispatch (data exchange)")
         return self._place_rows(recv, x, x_scales, None, None, num_recv, num_rows, 0)
 
     def _recv_per_source(self, handle) -> List[int]:
@@ -470,18 +507,8 @@ class ReferenceTransport(Transport):
         route = self._route_of(handle)
         topk = -1 if topk_weights is None else topk_weights.shape[1]
         # the biases are this rank's own, added after the exchange: ranks may differ in passing them
-        self._agree_on_route("combine", dict(hidden=x.shape[1], topk=topk, num_channels=num_channels), route)
-        recv_per_source, send_back = route.recv_splits, route.send_splits
-        num_recv = sum(recv_per_source)
-        # the rows go back as they are (already grouped by source rank), the weights in a second exchange
-        pending = self._exchange_rows(x[:num_recv], recv_per_source, send_back, "combine (data exchange)")
-        weights = None
-        if topk_weights is not None:
-            weights = self._exchange_rows(topk_weights[:num_recv], recv_per_source, send_back,
-                                          "combine (weight exchange)").wait()
-        values = pending.wait()
-        token = route.token
-
+        agreed = self._start_agreement_on_route("combine", dict(hidden=x.shape[1], topk=topk,
+                                                                num_channels=num_channels), route)
         # f32(bias0) + f32(bias1) in one add, an absent bias +0 (two -0 biases give -0, as in DeepEP)
         present = [bias.float() for bias in biases if bias is not None]
         if len(present) == 2:
@@ -493,6 +520,17 @@ class ReferenceTransport(Transport):
         combined_weights = None
         if topk_weights is not None:
             combined_weights = torch.zeros((num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
+        agreed()
+        recv_per_source, send_back = route.recv_splits, route.send_splits
+        num_recv = sum(recv_per_source)
+        # the rows go back as they are (already grouped by source rank), the weights in a second exchange
+        pending = self._exchange_rows(x[:num_recv], recv_per_source, send_back, "combine (data exchange)")
+        weights = None
+        if topk_weights is not None:
+            weights = self._exchange_rows(topk_weights[:num_recv], recv_per_source, send_back,
+                                          "combine (weight exchange)").wait()
+        values = pending.wait()
+        token = route.token
         bounds = [0, *itertools.accumulate(send_back)]
 
         def add_rows_of(sources, into: torch.Tensor, into_weights: Optional[torch.Tensor]) -> None:
@@ -543,7 +581,7 @@ class ReferenceTransport(Transport):
         fields = dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
                       use_fp8=int(options.use_fp8), round_scale=int(options.round_scale),
                       use_ue8m0=int(options.use_ue8m0), topk=topk_idx.shape[1])
-        self._agree("low_latency_dispatch", fields, ranks=ranks, check_values=check_values)
+        agreed = self._start_agreement("low_latency_dispatch", fields, ranks=ranks, check_values=check_values)
         selected = topk_idx >= 0
         if mask is not None:
             owner_masked = mask.to(topk_idx.device)[(topk_idx // experts_per_rank).clamp(0, num_ranks - 1)] != 0
@@ -553,12 +591,6 @@ class ReferenceTransport(Transport):
         order = torch.sort(expert, stable=True).indices         # by expert, then (token, slot)
         token, expert = token[order], expert[order]
         send_expert_counts = torch.bincount(expert, minlength=num_experts).view(num_ranks, experts_per_rank)
-        sent_counts = self._exchange_counts(send_expert_counts, "low_latency_dispatch (count exchange)", ranks).cpu()
-        recv_expert_counts = sent_counts.clone()          # [R, E_loc]; rows from masked sources are dropped
-        if mask is not None:
-            recv_expert_counts[mask.cpu() != 0] = 0
-        send_splits = send_expert_counts.sum(1).tolist()
-        recv_splits = sent_counts.sum(1).tolist()
         packer = _Packer()
         data = x
         if options.use_fp8:
@@ -566,7 +598,15 @@ class ReferenceTransport(Transport):
             packer.add("scales", _take(scales, token))
         packer.add("token", token.to(torch.int32))
         packer.add("expert", (expert % experts_per_rank).to(torch.int32))
-        wait = self._exchange_rows_and_fields(_take(data, token), packer, send_splits, recv_splits,
+        rows_to_send = _take(data, token)
+        agreed()
+        sent_counts = self._exchange_counts(send_expert_counts, "low_latency_dispatch (count exchange)", ranks).cpu()
+        recv_expert_counts = sent_counts.clone()          # [R, E_loc]; rows from masked sources are dropped
+        if mask is not None:
+            recv_expert_counts[mask.cpu() != 0] = 0
+        send_splits = send_expert_counts.sum(1).tolist()
+        recv_splits = sent_counts.sum(1).tolist()
+        wait = self._exchange_rows_and_fields(rows_to_send, packer, send_splits, recv_splits,
                                               "low_latency_dispatch (data exchange)", ranks)
 
         slots = num_ranks * num_max_tokens
@@ -624,11 +664,10 @@ class ReferenceTransport(Transport):
         begins = (layout_range >> 32).cpu()
         per_source = counts.sum(0)
         # every rank's rows per destination travel with the header: what comes back here is column `rank`
-        gathered = self._agree("low_latency_combine", dict(
+        agreed = self._start_agreement("low_latency_combine", dict(
             hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
             use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]), extra=per_source, ranks=ranks,
             check_values=check_values)
-        recv_splits = gathered[:, topo.rank].tolist()
         # rows to return, grouped by source rank, then local expert (each block in slot order)
         flat_counts = counts.t().flatten()                                                # [R * E_loc] source-major
         flat_begins = begins.t().flatten()
@@ -644,6 +683,7 @@ class ReferenceTransport(Transport):
         packer = _Packer()
         packer.add("token", src_info[expert_ids, positions])
         packer.add("expert", (expert_ids + topo.rank * experts_per_rank).to(torch.int32))
+        recv_splits = agreed()[:, topo.rank].tolist()
         wait = self._exchange_rows_and_fields(rows, packer, per_source.tolist(), recv_splits,
                                               "low_latency_combine (data exchange)", ranks)
         num_tokens = topk_idx.shape[0]
