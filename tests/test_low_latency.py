@@ -1161,6 +1161,54 @@ def test_low_latency_too_many_rows_for_an_expert_is_an_error(pool):
     report_mismatches(seed, lambda: pool(2).run(run_too_many_rows, seed))
 
 
+def _refused_on(rank: int, ctx, what: str, fn, expect: str, problems: List[str]) -> None:
+    """`fn()` raises a ValueError containing `expect` on `rank` (every rank where `rank` is None), else returns."""
+    try:
+        fn()
+        if rank is None or ctx.rank == rank:
+            problems.append(f"rank {ctx.rank}: {what}: no error")
+    except ValueError as error:
+        if (rank is not None and ctx.rank != rank) or expect not in str(error):
+            problems.append(f"rank {ctx.rank}: {what}: {error}")
+
+
+def run_combine_matching(ctx, seed: int) -> List[str]:
+    """The reference combine returns rows without their (expert, token) ids when every rank remembers the
+    dispatch of its handle (Note [returned in sent order]) and with them otherwise: both give the same bits;
+    handles of different dispatches are refused on every rank; a top-k entry that names an expert the dispatch
+    did not send the token to is refused on its rank, on both paths."""
+    N, H, E, K = 6, 128, 4 * ctx.world_size, 3
+    buf = make_buffer(ctx, N, H, E, transport="reference")
+    x, idx, weights = _small_inputs(ctx, seed, "combine matching a", 5, H, E, K)
+    x_b, idx_b, weights_b = _small_inputs(ctx, seed, "combine matching b", 4, H, E, K)
+    idx[0, 1] = -1
+    recv_a, _, handle_a, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+    recv_b, _, handle_b, _, _ = buf.low_latency_dispatch(x_b, idx_b, N, E, use_fp8=False)
+    problems: List[str] = []
+    remembered = buf.low_latency_combine(recv_a, idx, weights, handle_a)[0]
+    mixed = (recv_a, handle_a) if ctx.rank == 0 else (recv_b, handle_b)
+    _refused_on(None, ctx, "handles of different dispatches",
+                lambda: buf.low_latency_combine(mixed[0], idx, weights, mixed[1]), "different dispatches", problems)
+    for path in ("sent order", "ids"):
+        if path == "ids" and ctx.rank == 0:
+            buf._transport._sent_selections.clear()   # one rank that remembers nothing: every rank takes the ids
+        again = buf.low_latency_combine(recv_a, idx, weights, handle_a)[0]
+        if not torch.equal(bits(again), bits(remembered)):
+            problems.append(f"rank {ctx.rank}: combine by {path} differs from the first combine")
+        wrong = idx.clone()
+        wrong[0, 1] = (idx[0, 0] + 1) % E if ctx.rank == 1 else -1   # (slot 1 of token 0 was not sent)
+        if ctx.rank == 1 and bool((wrong[0, 1] == idx[0]).any()):
+            wrong[0, 1] = (idx[0].max() + 1) % E
+        _refused_on(1, ctx, f"an expert not sent to ({path})",
+                    lambda: buf.low_latency_combine(recv_a, wrong, weights, handle_a), "did not send", problems)
+    return problems
+
+
+def test_low_latency_combine_matches_rows_with_and_without_their_ids(pool):
+    seed = base_seed()
+    report_mismatches(seed, lambda: pool(2).run(run_combine_matching, seed))
+
+
 def _small_inputs(ctx, seed: int, what: str, num_tokens: int, hidden: int, num_experts: int, topk: int):
     """Random BF16 x, top-k ids (distinct experts) and weights on the rank's device."""
     gen = generator(seed, what, ctx.rank)

@@ -20,6 +20,13 @@ the exchange: the headers travel while the rows are gathered. The data exchange 
 header has been checked, since a backend given blocks of different sizes by two ranks may abort the process
 (gloo does) instead of raising. A rank whose input values were refused completes the exchange at once.
 
+Note [returned in sent order]: a low-latency combine returns each rank's rows grouped by destination rank, then
+local expert, then slot, which is the order in which that rank's dispatch sent them (sorted by expert, then token
+and top-k slot). A dispatch remembers that order under its `src_info` tensor, so when every rank remembers the
+same dispatch (its call number travels with the header) the rows come back alone; otherwise (a handle made by
+another Buffer, shrink mode) the (expert, token) ids of every row come back beside them and rows are matched
+by key.
+
 Note [handle routes]: a dispatch keeps the route of its rows (`_Route`) under the handle's tensor with a row per
 received row, so that its cached dispatches and combines need no host reads besides their own exchanges; a
 handle without one (made by another Buffer) gets it rebuilt from its tensors.
@@ -111,6 +118,14 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
                        torch.full_like(mask, -1, dtype=torch.int32))
 
 
+class _Selections(NamedTuple):
+    """The (token, top-k slot) selections a low-latency dispatch sent, in the order it sent their rows."""
+    token: torch.Tensor
+    slot: torch.Tensor
+    expert: torch.Tensor
+    dispatch: int   # the dispatch's call number (the same on every rank)
+
+
 class _Route(NamedTuple):
     """Where the rows of one dispatch went: Note [handle routes]."""
     destination: torch.Tensor   # destination rank of each row sent, rows in (destination, token) order
@@ -143,6 +158,7 @@ class ReferenceTransport(Transport):
         super().__init__(group, topology, device)
         self._call_number = 0
         self._routes: Dict[int, _Route] = {}   # Note [handle routes]: forgotten with the handle's tensor
+        self._sent_selections: Dict[int, _Selections] = {}   # Note [returned in sent order], by src_info
 
     def _route_of(self, handle) -> _Route:
         """The route of a handle: kept from its dispatch, else rebuilt from the handle (host reads)."""
@@ -153,9 +169,11 @@ class ReferenceTransport(Transport):
             self._remember(received_rows, route)
         return route
 
-    def _remember(self, key: torch.Tensor, route: _Route) -> None:
-        self._routes[id(key)] = route
-        weakref.finalize(key, self._routes.pop, id(key), None)
+    def _remember(self, key: torch.Tensor, value: object, table: Optional[Dict[int, object]] = None) -> None:
+        """Keep `value` in `table` (default: the routes) under `key` for as long as `key` lives."""
+        table = self._routes if table is None else table
+        table[id(key)] = value
+        weakref.finalize(key, table.pop, id(key), None)
 
     # ---- agreement --------------------------------------------------------------------------------
     def _agree(self, op: str, fields: Dict[str, int], extra: Optional[torch.Tensor] = None,
@@ -263,15 +281,17 @@ class ReferenceTransport(Transport):
         """Start exchanging `rows` and the per-row fields of `packer` (Note [rows travel alone]). Returns the
         wait: (received rows, received fields by name, nanoseconds it waited)."""
         pending_rows = self._exchange_rows(rows, send_splits, recv_splits, what, ranks)
-        pending_fields = self._exchange_rows(packer.pack(rows.shape[0], rows.device), send_splits, recv_splits,
-                                             what, ranks)
+        pending_fields = None
+        if packer.fields:
+            pending_fields = self._exchange_rows(packer.pack(rows.shape[0], rows.device), send_splits, recv_splits,
+                                                 what, ranks)
 
         def wait() -> Tuple[torch.Tensor, Dict[str, torch.Tensor], int]:
             started = _now_ns()
-            fields = pending_fields.wait()
+            fields = {} if pending_fields is None else packer.unpack(pending_fields.wait())
             received = pending_rows.wait()
             waited = _now_ns() - started
-            return received, packer.unpack(fields), waited
+            return received, fields, waited
         return wait
 
     # ---- layout -------------------------------------------------------------------------------------
@@ -589,7 +609,7 @@ class ReferenceTransport(Transport):
         token, slot = selected.nonzero(as_tuple=True)          # ordered by (token, slot)
         expert = topk_idx[token, slot]
         order = torch.sort(expert, stable=True).indices         # by expert, then (token, slot)
-        token, expert = token[order], expert[order]
+        token, slot, expert = token[order], slot[order], expert[order]
         send_expert_counts = torch.bincount(expert, minlength=num_experts).view(num_ranks, experts_per_rank)
         packer = _Packer()
         data = x
@@ -626,6 +646,8 @@ class ReferenceTransport(Transport):
         layout_range = ((begin << 32) | recv_expert_counts).t().contiguous().to(dev)
         src_info = torch.full((experts_per_rank, slots), -1, dtype=torch.int32, device=dev)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
+        if mask is None:
+            self._remember(src_info, _Selections(token, slot, expert, self._call_number), self._sent_selections)
 
         def receive() -> None:
             received_x, rows, waited = wait()
@@ -663,10 +685,14 @@ class ReferenceTransport(Transport):
         counts = (layout_range & 0xFFFFFFFF).cpu()                                        # [E_loc, R]
         begins = (layout_range >> 32).cpu()
         per_source = counts.sum(0)
-        # every rank's rows per destination travel with the header: what comes back here is column `rank`
+        sent = self._sent_selections.get(id(src_info)) if mask is None else None
+        # every rank's rows per destination travel with the header (what comes back here is column `rank`), and
+        # the call number of the dispatch whose selections it remembers (-1: none; Note [returned in sent order])
         agreed = self._start_agreement("low_latency_combine", dict(
             hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
-            use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]), extra=per_source, ranks=ranks,
+            use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]),
+            extra=torch.cat([per_source, torch.tensor([-1 if sent is None else sent.dispatch], device="cpu")]),
+            ranks=ranks,
             check_values=check_values)
         # rows to return, grouped by source rank, then local expert (each block in slot order)
         flat_counts = counts.t().flatten()                                                # [R * E_loc] source-major
@@ -680,43 +706,38 @@ class ReferenceTransport(Transport):
         rows = x[expert_ids, positions]
         if use_logfmt:
             rows = logfmt_roundtrip(rows)
+        gathered = agreed()
+        recv_splits = gathered[:, topo.rank].tolist()
+        dispatches = gathered[ranks if ranks is not None else slice(None), num_ranks]
+        if bool((dispatches >= 0).all()) and not bool((dispatches == dispatches[0]).all()):
+            raise ValueError(f"low_latency_combine: handle: the ranks passed handles of different dispatches "
+                             f"(dispatch call numbers {dispatches.tolist()}); every rank must pass its handle of the "
+                             "same low_latency_dispatch")
         packer = _Packer()
-        packer.add("token", src_info[expert_ids, positions])
-        packer.add("expert", (expert_ids + topo.rank * experts_per_rank).to(torch.int32))
-        recv_splits = agreed()[:, topo.rank].tolist()
+        if not bool((dispatches >= 0).all()):   # some rank knows not what it sent: ids come back with the rows
+            sent = None
+            packer.add("token", src_info[expert_ids, positions])
+            packer.add("expert", (expert_ids + topo.rank * experts_per_rank).to(torch.int32))
         wait = self._exchange_rows_and_fields(rows, packer, per_source.tolist(), recv_splits,
                                               "low_latency_combine (data exchange)", ranks)
         num_tokens = topk_idx.shape[0]
 
         def receive() -> None:
             received_x, back, waited = wait()
-            token = back["token"].long().to(out.device)
-            expert = back["expert"].long().to(out.device)
             values = received_x.to(out.device)
-            # every returned row's key expert * N + token (N, not this call's token count: the combine may pass
-            # fewer tokens than the dispatch)
-            keys = expert * num_max_tokens + token
-            order = torch.argsort(keys, stable=True)
-            sorted_keys = keys[order]
-            accumulator = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=out.device)
             valid = topk_idx >= 0
             if mask is not None:
                 owner = (topk_idx // experts_per_rank).clamp(0, num_ranks - 1)
                 valid &= mask.to(topk_idx.device)[owner] == 0
-            # every valid (token, slot) finds its returned row by the key expert * N + token
-            token_of, slot_of = valid.nonzero(as_tuple=True)
-            want = topk_idx[token_of, slot_of] * num_max_tokens + token_of
-            # an expert listed twice for one token got two rows, returned in slot order: the n-th
-            # listing of a key takes the n-th returned row of that key
-            where = torch.searchsorted(sorted_keys, want) + _occurrence(want)
-            where = where.clamp(max=max(sorted_keys.numel() - 1, 0))
-            if want.numel() and (sorted_keys.numel() == 0 or not torch.equal(sorted_keys[where], want)):
-                raise ValueError("low_latency_combine: topk_idx names an expert that the matching low_latency_dispatch "
-                                 "did not send the token to; pass the dispatch's topk_idx (entries may only become -1)")
+            if sent is not None:
+                token_of, slot_of, row = _rows_in_sent_order(sent, topk_idx, valid, values.shape[0])
+            else:
+                token_of, slot_of, row = _rows_by_key(back, topk_idx, valid, num_max_tokens, out.device)
+            accumulator = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=out.device)
             # an unused selection reads a zero row with weight +0: it adds +0 to a sum that starts at +0
             padded = torch.cat([values, values.new_zeros((1, hidden))])
             row_of = torch.full(valid.shape, values.shape[0], dtype=torch.int64, device=out.device)
-            row_of[token_of, slot_of] = order[where]
+            row_of[token_of, slot_of] = row
             weights = torch.where(valid, topk_weights.float(), 0.0)
             # fixed order: ascending top-k slot, one slot's rows at a time (not a [tokens, top-k, hidden] f32 tensor)
             for k in range(topk_idx.shape[1]):
@@ -726,6 +747,46 @@ class ReferenceTransport(Transport):
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
 
         return receive
+
+
+_NOT_SENT = ("low_latency_combine: topk_idx names an expert that the matching low_latency_dispatch did not send "
+             "the token to; pass the dispatch's topk_idx (entries may only become -1)")
+
+
+def _rows_in_sent_order(sent: _Selections, topk_idx: torch.Tensor, valid: torch.Tensor, num_rows: int
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, slot, returned row) of every valid selection, the rows numbered as the dispatch sent them
+    (Note [returned in sent order]). ValueError if a valid selection was not sent."""
+    if num_rows != sent.token.numel():
+        raise ValueError(_NOT_SENT)
+    token, slot, expert = (t.to(topk_idx.device) for t in sent[:3])
+    index = (token < topk_idx.shape[0]).nonzero(as_tuple=True)[0]   # (a combine may pass fewer tokens)
+    token, slot, expert = token[index], slot[index], expert[index]
+    now = topk_idx[token, slot]
+    kept = valid[token, slot]
+    if not bool(((now == expert) | ~kept).all()) or int(kept.sum()) != int(valid.sum()):
+        raise ValueError(_NOT_SENT)
+    return token[kept], slot[kept], index[kept]
+
+
+def _rows_by_key(back: Dict[str, torch.Tensor], topk_idx: torch.Tensor, valid: torch.Tensor, num_max_tokens: int,
+                 device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, slot, returned row) of every valid selection, found by the (expert, token) ids returned with
+    the rows. ValueError if a valid selection was not sent."""
+    # every returned row's key expert * N + token (N, not this call's token count: the combine may pass
+    # fewer tokens than the dispatch)
+    keys = back["expert"].long().to(device) * num_max_tokens + back["token"].long().to(device)
+    order = torch.argsort(keys, stable=True)
+    sorted_keys = keys[order]
+    token_of, slot_of = valid.nonzero(as_tuple=True)
+    want = topk_idx[token_of, slot_of] * num_max_tokens + token_of
+    # an expert listed twice for one token got two rows, returned in slot order: the n-th
+    # listing of a key takes the n-th returned row of that key
+    where = torch.searchsorted(sorted_keys, want) + _occurrence(want)
+    where = where.clamp(max=max(sorted_keys.numel() - 1, 0))
+    if want.numel() and (sorted_keys.numel() == 0 or not torch.equal(sorted_keys[where], want)):
+        raise ValueError(_NOT_SENT)
+    return token_of, slot_of, order[where]
 
 
 def _occurrence(keys: torch.Tensor) -> torch.Tensor:
