@@ -98,16 +98,28 @@ class RankContext:
         `kernel` (GPU): GPU busy time per call from torch.profiler (the union of the kernels' and copies'
           intervals, flushes excluded), the figure DeepEP's newer tests report;
         `isolated`: a barrier before each call, so it starts on an idle GPU and pays all its host time."""
+        return self._time([fn])[0]
+
+    def time_pair(self, fn: Callable[[], Any], baseline: Callable[[], Any]
+                  ) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
+        """`time` of `fn` and of `baseline`, their calls interleaved (one of each in turn, the first of the two
+        alternating), so that the machine's drift during the run reaches both alike."""
+        ours, base = self._time([fn, baseline])
+        return ours, base
+
+    def _time(self, fns: List[Callable[[], Any]]) -> List[Dict[str, List[float]]]:
         for _ in range(self.plan["warmup"]):
-            fn()
-        isolated, _ = self._series(fn, barrier_each=True)
+            for fn in fns:
+                fn()
+        isolated = self._series(fns, barrier_each=True)
         self.barrier()
-        streamed, host = self._series(fn, barrier_each=False)
+        streamed = self._series(fns, barrier_each=False)
         self.barrier()
-        times = dict(streamed=streamed, isolated=isolated, host=host)
+        times = [dict(streamed=s[0], isolated=i[0], host=s[1]) for s, i in zip(streamed, isolated)]
         if self.is_cuda:
-            times["kernel"], times["kernels"] = self._kernel_series(fn)
-            self.barrier()
+            for fn, each in zip(fns, times):
+                each["kernel"], each["kernels"] = self._kernel_series(fn)
+                self.barrier()
         return times
 
     def _flush(self, marked: bool = False) -> None:
@@ -120,32 +132,39 @@ class RankContext:
         else:
             self._l2_flush.zero_()
 
-    def _series(self, fn: Callable[[], Any], barrier_each: bool) -> Tuple[List[float], List[float]]:
-        """Seconds of each of `iters` calls, events around each call (GPU) or the host clock (CPU), and the
-        host seconds of each call. Back to back (not `barrier_each`): one flush first, and one call more whose
-        times are left out (it may start behind the flush), as DeepEP's benchmark does."""
-        host: List[float] = []
-        events = []
+    def _series(self, fns: List[Callable[[], Any]], barrier_each: bool) -> List[Tuple[List[float], List[float]]]:
+        """For each of `fns`: seconds of each of `iters` calls, events around each call (GPU) or the host clock
+        (CPU), and the host seconds of each call; the functions take turns call by call, the first of them
+        rotating. Back to back (not `barrier_each`): one flush first, and one round more whose times are left
+        out (it may start behind the flush), as DeepEP's benchmark does."""
+        host: List[List[float]] = [[] for _ in fns]
+        events: List[list] = [[] for _ in fns]
         skip = int(not barrier_each)
         if self.is_cuda and not barrier_each:
             self._flush()
-        for _ in range(self.plan["iters"] + skip):
-            if barrier_each:
-                self.barrier()
-            if self.is_cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            fn()
-            host.append(time.perf_counter() - t0)
-            if self.is_cuda:
-                end.record()
-                events.append((start, end))
-        elapsed = host
+        for call in range(self.plan["iters"] + skip):
+            for turn in range(len(fns)):
+                which = (call + turn) % len(fns)
+                if barrier_each:
+                    self.barrier()
+                if self.is_cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                t0 = time.perf_counter()
+                fns[which]()
+                host[which].append(time.perf_counter() - t0)
+                if self.is_cuda:
+                    end.record()
+                    events[which].append((start, end))
         if self.is_cuda:
             self.sync()
-            elapsed = [start.elapsed_time(end) / 1e3 for start, end in events]
-        return elapsed[skip:], host[skip:]
+        series = []
+        for which in range(len(fns)):
+            elapsed = host[which]
+            if self.is_cuda:
+                elapsed = [start.elapsed_time(end) / 1e3 for start, end in events[which]]
+            series.append((elapsed[skip:], host[which][skip:]))
+        return series
 
     def _kernel_series(self, fn: Callable[[], Any]) -> Tuple[List[float], Dict[str, float]]:
         """GPU busy seconds per call over `iters` calls, each after a flush (profiled; flushes left out), and

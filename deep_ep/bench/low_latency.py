@@ -124,24 +124,24 @@ def bench_low_latency(ctx: RankContext, results: Dict[str, Any], info: Dict[str,
     check_ll_combine("LL combine of FP8-dispatched rows", combined, 9e-4)
     baseline_round_trip("baseline LL FP8 round trip", True, 9e-4)
     del out, expert_out, combined
-    record(results, "ll_dispatch_fp8", ctx.time(lambda: ll_dispatch(True)), ll_dispatch_bytes_fp8,
-            ctx.time(lambda: base.ll_dispatch(x, topk_idx, E, N, True)))
+    ours, baseline = ctx.time_pair(lambda: ll_dispatch(True), lambda: base.ll_dispatch(x, topk_idx, E, N, True))
+    record(results, "ll_dispatch_fp8", ours, ll_dispatch_bytes_fp8, baseline)
 
     # ---- BF16 dispatch -------------------------------------------------------------------------------
     ctx.phase("low-latency: dispatch BF16 (+ baseline)")
     out = ll_dispatch(False)
     expert_out, handle = check_ll_dispatch("LL dispatch BF16", out, False), out[2]
     base_out, base_state = baseline_round_trip("baseline LL BF16 round trip", False, 1e-5)
-    record(results, "ll_dispatch_bf16", ctx.time(lambda: ll_dispatch(False)), ll_bf16_bytes,
-            ctx.time(lambda: base.ll_dispatch(x, topk_idx, E, N, False)))
+    ours, baseline = ctx.time_pair(lambda: ll_dispatch(False), lambda: base.ll_dispatch(x, topk_idx, E, N, False))
+    record(results, "ll_dispatch_bf16", ours, ll_bf16_bytes, baseline)
 
     # ---- combine -------------------------------------------------------------------------------------
     ctx.phase("low-latency: combine BF16 (+ baseline all_to_all_single back + weighted index_add)")
     combined = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)[0]
     check_ll_combine("LL combine BF16", combined, 1e-5)
-    record(results, "ll_combine",
-            ctx.time(lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)),
-            ll_bf16_bytes, ctx.time(lambda: base.ll_combine(base_out, topk_weights, base_state)))
+    ours, baseline = ctx.time_pair(lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle),
+                                   lambda: base.ll_combine(base_out, topk_weights, base_state))
+    record(results, "ll_combine", ours, ll_bf16_bytes, baseline)
     del out, expert_out, handle, combined
     if device.type == "cuda" and buffer.transport_name == "nvlink":
         _bench_low_latency_graphs(ctx, results, buffer, base, x, topk_idx, topk_weights, check_ll_dispatch,

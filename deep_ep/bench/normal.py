@@ -111,19 +111,20 @@ def bench_normal(ctx: RankContext, results: Dict[str, Any], info: Dict[str, Any]
     base_state = baseline_out[3]
     check_dispatch("dispatch BF16", out, baseline_out)
     bf16_bytes = num_recv * H * 2
-    record(results, "dispatch_bf16", ctx.time(lambda: buffer.dispatch(x, **layout_kwargs)), bf16_bytes,
-            ctx.time(lambda: base.dispatch_with_topk(x, topk_idx, topk_weights, is_token_in_rank, E_loc)),
-            rows_out * H * 2)
+    ours, baseline = ctx.time_pair(
+        lambda: buffer.dispatch(x, **layout_kwargs),
+        lambda: base.dispatch_with_topk(x, topk_idx, topk_weights, is_token_in_rank, E_loc))
+    record(results, "dispatch_bf16", ours, bf16_bytes, baseline, rows_out * H * 2)
 
     # ---- FP8 dispatch --------------------------------------------------------------------------------
     ctx.phase("normal: dispatch FP8 with per-128 scales (+ baseline)")
     out_fp8 = buffer.dispatch(x_fp8, **layout_kwargs)
     check_dispatch("dispatch FP8", out_fp8,
                    base.dispatch_with_topk(x_fp8, topk_idx, topk_weights, is_token_in_rank, E_loc))
-    record(results, "dispatch_fp8", ctx.time(lambda: buffer.dispatch(x_fp8, **layout_kwargs)),
-            int(bf16_bytes * FP8_FACTOR),
-            ctx.time(lambda: base.dispatch_with_topk(x_fp8, topk_idx, topk_weights, is_token_in_rank, E_loc)),
-            int(rows_out * H * 2 * FP8_FACTOR))
+    ours, baseline = ctx.time_pair(
+        lambda: buffer.dispatch(x_fp8, **layout_kwargs),
+        lambda: base.dispatch_with_topk(x_fp8, topk_idx, topk_weights, is_token_in_rank, E_loc))
+    record(results, "dispatch_fp8", ours, int(bf16_bytes * FP8_FACTOR), baseline, int(rows_out * H * 2 * FP8_FACTOR))
 
     # ---- cached dispatch -----------------------------------------------------------------------------
     ctx.phase("normal: cached dispatch BF16 (+ baseline without the count exchange)")
@@ -134,18 +135,19 @@ def bench_normal(ctx: RankContext, results: Dict[str, Any], info: Dict[str, Any]
     elif not torch.equal(cached[0], recv_x):
         problems.append("cached dispatch rows differ from the first dispatch")
     ctx.verify("cached dispatch BF16", problems)
-    record(results, "dispatch_cached", ctx.time(lambda: buffer.dispatch(x, handle=handle, config=dispatch_config)),
-            bf16_bytes, ctx.time(lambda: base.dispatch([x], is_token_in_rank, base_state)), rows_out * H * 2)
+    ours, baseline = ctx.time_pair(lambda: buffer.dispatch(x, handle=handle, config=dispatch_config),
+                                   lambda: base.dispatch([x], is_token_in_rank, base_state))
+    record(results, "dispatch_cached", ours, bf16_bytes, baseline, rows_out * H * 2)
     cached_fp8 = buffer.dispatch(x_fp8, handle=handle, config=dispatch_config)
     problems = []
     if not (torch.equal(cached_fp8[0][0].view(torch.uint8), out_fp8[0][0].view(torch.uint8))
             and torch.equal(cached_fp8[0][1], out_fp8[0][1])):
         problems.append("cached FP8 dispatch rows / scales differ from the first FP8 dispatch")
     ctx.verify("cached dispatch FP8", problems)
-    record(results, "dispatch_cached_fp8",
-            ctx.time(lambda: buffer.dispatch(x_fp8, handle=handle, config=dispatch_config)),
-            int(bf16_bytes * FP8_FACTOR), ctx.time(lambda: base.dispatch(list(x_fp8), is_token_in_rank, base_state)),
-            int(rows_out * H * 2 * FP8_FACTOR))
+    ours, baseline = ctx.time_pair(lambda: buffer.dispatch(x_fp8, handle=handle, config=dispatch_config),
+                                   lambda: base.dispatch(list(x_fp8), is_token_in_rank, base_state))
+    record(results, "dispatch_cached_fp8", ours, int(bf16_bytes * FP8_FACTOR), baseline,
+           int(rows_out * H * 2 * FP8_FACTOR))
     del out_fp8, cached_fp8
 
     # ---- combine -------------------------------------------------------------------------------------
@@ -168,8 +170,9 @@ def bench_normal(ctx: RankContext, results: Dict[str, Any], info: Dict[str, Any]
     if bool(((baseline_combined.float() - expected).abs() > expected.abs() * 2.0 ** -8).any()):
         problems.append("baseline combine != x * number of destination ranks (bench bug)")
     ctx.verify("combine BF16", problems)
-    record(results, "combine", ctx.time(lambda: buffer.combine(recv_x, handle, config=combine_config)), bf16_bytes,
-            ctx.time(lambda: base.combine(recv_x, base_state, T)), rows_back * H * 2)
+    ours, baseline = ctx.time_pair(lambda: buffer.combine(recv_x, handle, config=combine_config),
+                                   lambda: base.combine(recv_x, base_state, T))
+    record(results, "combine", ours, bf16_bytes, baseline, rows_back * H * 2)
 
     del out, recv_x, handle, cached, combined
     ctx.barrier()

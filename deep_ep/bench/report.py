@@ -93,7 +93,8 @@ def format_table(report: Dict[str, Any]) -> str:
     lines.append(f"  time: median of {c['iters']} calls back to back after {c['warmup']} warm-up{flush}, rank 0 (max "
                  "over ranks in brackets); kernel: GPU busy time per call (profiler, max over ranks); host: host "
                  "time of a call; isolated: calls each after a barrier")
-    lines.append("  GB/s: DeepEP's logical bytes / 1e9 / time; baseline: permute + all_to_all_single, back to back")
+    lines.append("  GB/s: DeepEP's logical bytes / 1e9 / time; baseline: permute + all_to_all_single, its calls "
+                 "taking turns with ours")
     if c.get("copy_engine_peer_gbps"):
         both = c.get("copy_engine_peer_gbps_both_ways")
         both = f"{both:.0f} GB/s" if both else "not measured (the two copies did not overlap)"
