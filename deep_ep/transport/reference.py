@@ -419,7 +419,6 @@ class ReferenceTransport(Transport):
             rows = packer.unpack(received)
         pending_x.wait()
         rows["x"] = recv_x
-        rows["source"] = _segment_ids(route.recv_splits)
         return rows
 
     def _place_rows(self, recv, x, x_scales, topk_idx, topk_weights, num_recv, num_rows, experts_per_rank):
@@ -456,7 +455,8 @@ class ReferenceTransport(Transport):
         recv_gbl_channel_prefix = (rank_start[:, None] + _exclusive_cumsum(recv_channel_counts, dim=1)).to(torch.int32)
         recv_gbl_rank_prefix_sum = rank_prefix_matrix[:, topo.rank].contiguous()
         meta = torch.zeros((num_rows, 2), dtype=torch.int32, device="cpu")
-        meta[:num_recv, 0] = (recv["source"] // topo.ranks_per_node).to(torch.int32).cpu()
+        source = _segment_ids(recv_channel_counts.sum(1).tolist())                        # of each received row
+        meta[:num_recv, 0] = (source // topo.ranks_per_node).to(torch.int32)
         meta[:num_recv, 1] = recv["node_mask"].cpu()
         recv_src_meta = meta.view(torch.uint8).view(num_rows, 8)
         send_rdma_head = _positions(in_node)
