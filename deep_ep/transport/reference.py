@@ -27,6 +27,10 @@ same dispatch (its call number travels with the header) the rows come back alone
 another Buffer, shrink mode) the (expert, token) ids of every row come back beside them and rows are matched
 by key.
 
+Note [one row exchange]: a low-latency dispatch sends each selected row with its FP8 scales and its token's
+index beside it, in one exchange: the receiver copies the rows into the expert-major output anyway, and finds
+each row's local expert from the counts (a source's rows come sorted by expert).
+
 Note [handle routes]: a dispatch keeps the route of its rows (`_Route`) under the handle's tensor with a row per
 received row, so that its cached dispatches and combines need no host reads besides their own exchanges; a
 handle without one (made by another Buffer) gets it rebuilt from its tensors.
@@ -176,21 +180,15 @@ class ReferenceTransport(Transport):
         weakref.finalize(key, table.pop, id(key), None)
 
     # ---- agreement --------------------------------------------------------------------------------
-    def _agree(self, op: str, fields: Dict[str, int], extra: Optional[torch.Tensor] = None,
-               ranks: Optional[List[int]] = None, check_values: Optional[Callable[[], None]] = None) -> torch.Tensor:
-        """All-gather this rank's header (among `ranks`, default all); raise on every rank if any rank's
-        operation or shapes differ, or if `check_values` raised ValueError on any rank (a rank that raised
-        alone would pair its next call with the others' current one).
-
-        Returns the gathered `extra` rows ([R, 2 * R + 1]: up to 2 * R + 1 values a rank, e.g.
-        `num_tokens_per_rank`), which must have the same length on every rank for the same operation."""
-        return self._start_agreement(op, fields, extra, ranks, check_values)()
-
-    def _start_agreement(self, op: str, fields: Dict[str, int], extra: Optional[torch.Tensor] = None,
+    def _start_agreement(self, op: str, fields: Dict[str, int], extra: Sequence[int] = (),
                          ranks: Optional[List[int]] = None, check_values: Optional[Callable[[], None]] = None
                          ) -> Callable[[], torch.Tensor]:
-        """`_agree`, started: returns the function that completes it. Work of this rank alone can go between
-        the two while the headers travel (Note [agreement overlaps])."""
+        """Start all-gathering this rank's header (among `ranks`, default all); returns the function that
+        completes it. That raises on every rank if any rank's operation or shapes differ, or if `check_values`
+        raised ValueError on any rank (a rank that raised alone would pair its next call with the others' current
+        one), and returns the gathered `extra` rows ([R, 2 * R + 1]: up to 2 * R + 1 values a rank, e.g.
+        `num_tokens_per_rank`). Work of this rank alone can go between the two while the headers travel (Note
+        [agreement overlaps])."""
         self._call_number += 1
         bad_input: Optional[ValueError] = None
         if check_values is not None:
@@ -200,41 +198,40 @@ class ReferenceTransport(Transport):
                 bad_input = error
         values = [_OPS[op], self._call_number] + list(fields.values())
         assert len(values) < _HEADER_FIELDS
-        header = torch.zeros(_HEADER_FIELDS + 2 * self.topology.num_ranks + 1, dtype=torch.int64, device="cpu")
-        header[:len(values)] = torch.tensor(values, dtype=torch.int64, device="cpu")
-        header[_HEADER_FIELDS - 1] = int(bad_input is not None)
-        if extra is not None:
-            header[_HEADER_FIELDS:_HEADER_FIELDS + extra.numel()] = extra.to("cpu", torch.int64)
-        pending = self.group.start_all_gather(header, f"{op} (header exchange)", ranks)
+        extra_len = 2 * self.topology.num_ranks + 1
+        header = (values + [0] * (_HEADER_FIELDS - 1 - len(values)) + [int(bad_input is not None)] + list(extra)
+                  + [0] * (extra_len - len(extra)))
+        pending = self.group.start_all_gather(torch.tensor(header, dtype=torch.int64, device="cpu"),
+                                              f"{op} (header exchange)", ranks)
 
         def finish() -> torch.Tensor:
             gathered = pending.wait()
             if bad_input is not None:
                 raise bad_input
-            self._check_headers(op, fields, gathered, values, ranks)
+            self._check_headers(op, fields, gathered.tolist(), len(values), ranks)
             return gathered[:, _HEADER_FIELDS:]
         if bad_input is not None:   # nothing of this rank's may run on values it refused
             finish()
         return finish
 
-    def _check_headers(self, op: str, fields: Dict[str, int], gathered: torch.Tensor, values: List[int],
+    def _check_headers(self, op: str, fields: Dict[str, int], gathered: List[List[int]], num_values: int,
                        ranks: Optional[List[int]]) -> None:
         """Raise on every rank if a rank refused its input values or called with another operation or shapes."""
         taking_part = list(range(self.topology.num_ranks)) if ranks is None else ranks
-        refused = [rank for rank in taking_part if gathered[rank, _HEADER_FIELDS - 1]]
+        refused = [rank for rank in taking_part if gathered[rank][_HEADER_FIELDS - 1]]
         if refused:
             raise ValueError(f"{op}: rank {refused[0]} passed invalid input values (it raised ValueError naming "
                              "them); every rank refuses the call")
-        mine = gathered[self.topology.rank, :len(values)]
+        mine = gathered[self.topology.rank][:num_values]
         for rank in taking_part:
-            theirs = gathered[rank, :len(values)]
-            if torch.equal(theirs, mine):
+            theirs = gathered[rank][:num_values]
+            if theirs == mine:
                 continue
             if theirs[0] != mine[0]:
                 ops = {v: k for k, v in _OPS.items()}
                 raise ValueError(f"rank {self.topology.rank} called {op} while rank {rank} called "
-                                 f"{ops.get(int(theirs[0]), 'another operation')}: all ranks must make the same calls")
-            raise ValueError(disagreement(op, ["call number"] + list(fields), mine[1:].tolist(), theirs[1:].tolist(),
+                                 f"{ops.get(theirs[0], 'another operation')}: all ranks must make the same calls")
+            raise ValueError(disagreement(op, ["call number"] + list(fields), mine[1:], theirs[1:],
                                           self.topology.rank, rank))
 
     def _start_agreement_on_route(self, op: str, fields: Dict[str, int], route: "_Route") -> Callable[[], None]:
@@ -242,8 +239,7 @@ class ReferenceTransport(Transport):
         each rank's handle says it sent to every rank is what that rank's handle says it received (else
         ValueError on every rank)."""
         R = self.topology.num_ranks
-        finish = self._start_agreement(op, fields, extra=torch.tensor(route.send_splits + route.recv_splits +
-                                                                      [route.dispatch], device="cpu"))
+        finish = self._start_agreement(op, fields, extra=route.send_splits + route.recv_splits + [route.dispatch])
 
         def check() -> None:
             gathered = finish()
@@ -328,7 +324,7 @@ class ReferenceTransport(Transport):
         topo = self.topology
         num_ranks, num_experts = topo.num_ranks, num_tokens_per_expert.numel()
         experts_per_rank = num_experts // num_ranks
-        extra = torch.cat([num_tokens_per_rank.to("cpu", torch.int64), torch.tensor([num_worst_tokens], device="cpu")])
+        extra = num_tokens_per_rank.tolist() + [num_worst_tokens]
         agreed = self._start_agreement("dispatch", dispatch_fields(
             x, x_scales, topk_idx, num_channels, num_experts=num_experts,
             has_weights=int(topk_weights is not None)), extra=extra, check_values=check_values)
@@ -611,14 +607,12 @@ class ReferenceTransport(Transport):
         order = torch.sort(expert, stable=True).indices         # by expert, then (token, slot)
         token, slot, expert = token[order], slot[order], expert[order]
         send_expert_counts = torch.bincount(expert, minlength=num_experts).view(num_ranks, experts_per_rank)
-        packer = _Packer()
-        data = x
+        parts = [x]
         if options.use_fp8:
-            data, scales = per_token_cast_to_fp8(x, round_scale=options.round_scale)
-            packer.add("scales", _take(scales, token))
-        packer.add("token", token.to(torch.int32))
-        packer.add("expert", (expert % experts_per_rank).to(torch.int32))
-        rows_to_send = _take(data, token)
+            parts = list(per_token_cast_to_fp8(x, round_scale=options.round_scale))
+        parts.append(torch.arange(x.shape[0], dtype=torch.int32, device=x.device)[:, None])   # the token's index
+        row_layout = [(part.dtype, part.shape[1]) for part in parts]
+        rows_to_send = _gather_side_by_side(parts, token)
         agreed()
         sent_counts = self._exchange_counts(send_expert_counts, "low_latency_dispatch (count exchange)", ranks).cpu()
         recv_expert_counts = sent_counts.clone()          # [R, E_loc]; rows from masked sources are dropped
@@ -626,8 +620,8 @@ class ReferenceTransport(Transport):
             recv_expert_counts[mask.cpu() != 0] = 0
         send_splits = send_expert_counts.sum(1).tolist()
         recv_splits = sent_counts.sum(1).tolist()
-        wait = self._exchange_rows_and_fields(rows_to_send, packer, send_splits, recv_splits,
-                                              "low_latency_dispatch (data exchange)", ranks)
+        pending = self._exchange_rows(rows_to_send, send_splits, recv_splits, "low_latency_dispatch (data exchange)",
+                                      ranks)
 
         slots = num_ranks * num_max_tokens
         dev = x.device
@@ -650,26 +644,28 @@ class ReferenceTransport(Transport):
             self._remember(src_info, _Selections(token, slot, expert, self._call_number), self._sent_selections)
 
         def receive() -> None:
-            received_x, rows, waited = wait()
+            started = _now_ns()
+            received = pending.wait()
+            waited = _now_ns() - started
             over = (rows_per_expert > slots).nonzero()
             if len(over):   # checked once every exchange of the call is complete, so no peer is left waiting
                 raise ValueError(too_many_rows_message(topo.rank, int(over[0]), "checked on arrival; nothing was "
                                                        "received"))
-            rows["x"] = received_x
-            source = _segment_ids(recv_splits)
-            keep = (mask.cpu()[source] == 0) if mask is not None else torch.ones_like(source, dtype=torch.bool)
-            local_expert = rows["expert"].long().cpu()
-            group_start = _exclusive_cumsum(sent_counts.flatten()).view(num_ranks, experts_per_rank)
-            rank_in_group = torch.arange(source.numel(), device="cpu") - group_start[source, local_expert]
-            position = begin[source, local_expert] + rank_in_group
-            keep_idx = keep.nonzero(as_tuple=True)[0]
-            e, p = local_expert[keep_idx].to(dev), position[keep_idx].to(dev)
-            keep_dev = keep_idx.to(dev)
-            _put(recv_x, e, p, _take(rows["x"], keep_idx.to(rows["x"].device)).to(dev))
-            src_info[e, p] = rows["token"][keep_dev].to(dev)
+            # each source's rows arrive grouped by local expert (Note [one row exchange])
+            group = _segment_ids(sent_counts.flatten().tolist())                           # source * E_loc + e
+            source, local_expert = group // experts_per_rank, group % experts_per_rank
+            group_start = _exclusive_cumsum(sent_counts.flatten())
+            position = begin[source, local_expert] + torch.arange(group.numel(), device="cpu") - group_start[group]
+            if mask is not None:   # rows from masked sources are dropped
+                keep = (mask.cpu()[source] == 0).nonzero(as_tuple=True)[0]
+                local_expert, position = local_expert[keep], position[keep]
+                received = received[keep.to(received.device)]
+            e, p = local_expert.to(dev), position.to(dev)
+            data, *scales, token = _side_by_side(received, row_layout)
+            _put(recv_x, e, p, data.to(dev))
+            src_info[e, p] = token.to(dev).view(-1)
             if options.use_fp8:
-                scales = rows["scales"][keep_dev].to(dev)
-                recv_scales[e, p] = pack_ue8m0(scales) if options.use_ue8m0 else scales
+                recv_scales[e, p] = pack_ue8m0(scales[0].to(dev)) if options.use_ue8m0 else scales[0].to(dev)
             if wait_stats is not None:
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
         return output, receive
@@ -691,8 +687,7 @@ class ReferenceTransport(Transport):
         agreed = self._start_agreement("low_latency_combine", dict(
             hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
             use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]),
-            extra=torch.cat([per_source, torch.tensor([-1 if sent is None else sent.dispatch], device="cpu")]),
-            ranks=ranks,
+            extra=per_source.tolist() + [-1 if sent is None else sent.dispatch], ranks=ranks,
             check_values=check_values)
         # rows to return, grouped by source rank, then local expert (each block in slot order)
         flat_counts = counts.t().flatten()                                                # [R * E_loc] source-major
@@ -747,6 +742,29 @@ class ReferenceTransport(Transport):
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
 
         return receive
+
+
+def _gather_side_by_side(parts: List[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of each of `parts` (2-D, as many rows each), side by side as bytes in one uint8 tensor of
+    `len(index)` rows (Note [one row exchange])."""
+    as_bytes = [rows_as_bytes(part.contiguous()) for part in parts]
+    packed = torch.empty((index.numel(), sum(b.shape[1] for b in as_bytes)), dtype=torch.uint8,
+                         device=parts[0].device)
+    offset = 0
+    for b in as_bytes:
+        torch.index_select(b, 0, index, out=packed[:, offset:offset + b.shape[1]])
+        offset += b.shape[1]
+    return packed
+
+
+def _side_by_side(packed: torch.Tensor, layout: List[Tuple[torch.dtype, int]]) -> List[torch.Tensor]:
+    """The parts of rows packed by `_gather_side_by_side`, as views of the given (dtype, columns)."""
+    parts, offset = [], 0
+    for dtype, columns in layout:
+        nbytes = columns * dtype.itemsize
+        parts.append(packed[:, offset:offset + nbytes].view(dtype))
+        offset += nbytes
+    return parts
 
 
 _NOT_SENT = ("low_latency_combine: topk_idx names an expert that the matching low_latency_dispatch did not send "
