@@ -4,16 +4,20 @@ ours / baseline taken within a run (the two take turns call by call), then the m
 spread.
 
   python benchmarks/reference_vs_baseline.py [--runs 5] [--iters 100] [--ranks 2 4 8] [--shapes cpu large]
+                                             [--json FILE]
 
 Shapes: `cpu` is the benchmark's CPU default (512 tokens, hidden 1024, top-8, 64 experts; low latency 64
 tokens, 64 experts), `large` 2048 tokens and hidden 4096 (low latency 128 tokens). Threads as the benchmark
-sets them (the cores shared between the ranks). Prints one table per (shape, ranks) and exits 1 if a run
-failed or a row's median ratio is above `--limit` (default 1.15).
+sets them (the cores shared between the ranks). Prints one table per (shape, ranks), writes the figures to
+`--json` if given, and exits 1 if a run failed or a row's median ratio is above `--limit` (default 1.15).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -43,8 +47,10 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2])
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--limit", type=float, default=1.15, help="the highest median ratio that passes")
+    parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     over = False
+    records = []
     for shape in args.shapes:
         for ranks in args.ranks:
             ratios: Dict[str, List[float]] = {}
@@ -57,8 +63,19 @@ def main() -> int:
             for label, values in ratios.items():
                 median = statistics.median(values)
                 over |= median > args.limit
+                records.append(dict(shape=shape, ranks=ranks, operation=label, median=median, runs=values))
                 print(f"{label:22s} {median:7.2f} {min(values):6.2f} {max(values):6.2f}  "
                       + " ".join(f"{v:.2f}" for v in values))
+    if args.json:
+        import torch
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE,
+                                text=True).stdout.strip()
+        args.json.write_text(json.dumps(dict(
+            figure="reference transport time / baseline time per call (ours and the baseline taking turns)",
+            date=datetime.date.today().isoformat(), commit=commit, cpus=os.cpu_count(),
+            machine=platform.processor() or platform.machine(), torch=torch.__version__,
+            command="python benchmarks/reference_vs_baseline.py " + " ".join(sys.argv[1:]),
+            runs=args.runs, iters=args.iters, records=records), indent=1) + "\n")
     return 1 if over else 0
 
 
