@@ -27,9 +27,10 @@ same dispatch (its call number travels with the header) the rows come back alone
 another Buffer, shrink mode) the (expert, token) ids of every row come back beside them and rows are matched
 by key.
 
-Note [one row exchange]: a low-latency dispatch sends each selected row with its FP8 scales and its token's
-index beside it, in one exchange: the receiver copies the rows into the expert-major output anyway, and finds
-each row's local expert from the counts (a source's rows come sorted by expert).
+Note [one row exchange]: a low-latency dispatch sends each selected row with its FP8 scales, its token's index
+and its local expert beside it, in one exchange whose sizes (rows for each rank) travel with the header: the
+receiver copies the rows into the expert-major output anyway, and counts them per expert itself (a source's
+rows come sorted by expert), so no count exchange precedes them.
 
 Note [handle routes]: a dispatch keeps the route of its rows (`_Route`) under the handle's tensor with a row per
 received row, so that its cached dispatches and combines need no host reads besides their own exchanges; a
@@ -181,24 +182,19 @@ class ReferenceTransport(Transport):
 
     # ---- agreement --------------------------------------------------------------------------------
     def _start_agreement(self, op: str, fields: Dict[str, int], extra: Sequence[int] = (),
-                         ranks: Optional[List[int]] = None, check_values: Optional[Callable[[], None]] = None
+                         ranks: Optional[List[int]] = None, bad_input: Optional[ValueError] = None
                          ) -> Callable[[], torch.Tensor]:
         """Start all-gathering this rank's header (among `ranks`, default all); returns the function that
-        completes it. That raises on every rank if any rank's operation or shapes differ, or if `check_values`
-        raised ValueError on any rank (a rank that raised alone would pair its next call with the others' current
-        one), and returns the gathered `extra` rows ([R, 2 * R + 1]: up to 2 * R + 1 values a rank, e.g.
-        `num_tokens_per_rank`). Work of this rank alone can go between the two while the headers travel (Note
-        [agreement overlaps])."""
+        completes it. That raises on every rank if any rank's operation or shapes differ, or if any rank refused
+        its input values (`bad_input`, from `_refusal`: a rank that raised alone would pair its next call with
+        the others' current one), and returns the gathered `extra` rows ([R, 2 * R + 1]: up to 2 * R + 1 values
+        a rank, e.g. `num_tokens_per_rank`). Work of this rank alone can go between the two while the headers
+        travel (Note [agreement overlaps])."""
         self._call_number += 1
-        bad_input: Optional[ValueError] = None
-        if check_values is not None:
-            try:
-                check_values()
-            except ValueError as error:
-                bad_input = error
         values = [_OPS[op], self._call_number] + list(fields.values())
         assert len(values) < _HEADER_FIELDS
         extra_len = 2 * self.topology.num_ranks + 1
+        assert len(extra) <= extra_len
         header = (values + [0] * (_HEADER_FIELDS - 1 - len(values)) + [int(bad_input is not None)] + list(extra)
                   + [0] * (extra_len - len(extra)))
         pending = self.group.start_all_gather(torch.tensor(header, dtype=torch.int64, device="cpu"),
@@ -213,6 +209,16 @@ class ReferenceTransport(Transport):
         if bad_input is not None:   # nothing of this rank's may run on values it refused
             finish()
         return finish
+
+    @staticmethod
+    def _refusal(check_values: Optional[Callable[[], None]]) -> Optional[ValueError]:
+        """The ValueError with which `check_values` refuses this rank's input values, if it does."""
+        try:
+            if check_values is not None:
+                check_values()
+        except ValueError as error:
+            return error
+        return None
 
     def _check_headers(self, op: str, fields: Dict[str, int], gathered: List[List[int]], num_values: int,
                        ranks: Optional[List[int]]) -> None:
@@ -327,7 +333,7 @@ class ReferenceTransport(Transport):
         extra = num_tokens_per_rank.tolist() + [num_worst_tokens]
         agreed = self._start_agreement("dispatch", dispatch_fields(
             x, x_scales, topk_idx, num_channels, num_experts=num_experts,
-            has_weights=int(topk_weights is not None)), extra=extra, check_values=check_values)
+            has_weights=int(topk_weights is not None)), extra=extra, bad_input=self._refusal(check_values))
         # counts per destination: [per-expert counts of its experts | its channel counts | node channel counts]
         channel_counts = _channel_counts(is_token_in_rank, num_channels)             # [R, C]
         parts = [num_tokens_per_expert.view(num_ranks, experts_per_rank).to(torch.int64), channel_counts]
@@ -597,29 +603,29 @@ class ReferenceTransport(Transport):
         fields = dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
                       use_fp8=int(options.use_fp8), round_scale=int(options.round_scale),
                       use_ue8m0=int(options.use_ue8m0), topk=topk_idx.shape[1])
-        agreed = self._start_agreement("low_latency_dispatch", fields, ranks=ranks, check_values=check_values)
-        selected = topk_idx >= 0
-        if mask is not None:
-            owner_masked = mask.to(topk_idx.device)[(topk_idx // experts_per_rank).clamp(0, num_ranks - 1)] != 0
-            selected &= ~owner_masked
-        token, slot = selected.nonzero(as_tuple=True)          # ordered by (token, slot)
-        expert = topk_idx[token, slot]
-        order = torch.sort(expert, stable=True).indices         # by expert, then (token, slot)
-        token, slot, expert = token[order], slot[order], expert[order]
-        send_expert_counts = torch.bincount(expert, minlength=num_experts).view(num_ranks, experts_per_rank)
+        bad_input = self._refusal(check_values)
+        token = slot = expert = topk_idx.new_empty(0)
+        send_splits = [0] * num_ranks
+        if bad_input is None:   # (nothing may run on values this rank refused)
+            selected = topk_idx >= 0
+            if mask is not None:
+                owner_masked = mask.to(topk_idx.device)[(topk_idx // experts_per_rank).clamp(0, num_ranks - 1)] != 0
+                selected &= ~owner_masked
+            token, slot = selected.nonzero(as_tuple=True)          # ordered by (token, slot)
+            expert = topk_idx[token, slot]
+            order = torch.sort(expert, stable=True).indices         # by expert, then (token, slot)
+            token, slot, expert = token[order], slot[order], expert[order]
+            send_splits = torch.bincount(expert // experts_per_rank, minlength=num_ranks).tolist()
+        # the rows for each rank travel with the header (Note [one row exchange])
+        agreed = self._start_agreement("low_latency_dispatch", fields, extra=send_splits, ranks=ranks,
+                                       bad_input=bad_input)
         parts = [x]
         if options.use_fp8:
             parts = list(per_token_cast_to_fp8(x, round_scale=options.round_scale))
         parts.append(torch.arange(x.shape[0], dtype=torch.int32, device=x.device)[:, None])   # the token's index
-        row_layout = [(part.dtype, part.shape[1]) for part in parts]
-        rows_to_send = _gather_side_by_side(parts, token)
-        agreed()
-        sent_counts = self._exchange_counts(send_expert_counts, "low_latency_dispatch (count exchange)", ranks).cpu()
-        recv_expert_counts = sent_counts.clone()          # [R, E_loc]; rows from masked sources are dropped
-        if mask is not None:
-            recv_expert_counts[mask.cpu() != 0] = 0
-        send_splits = send_expert_counts.sum(1).tolist()
-        recv_splits = sent_counts.sum(1).tolist()
+        row_layout = [(part.dtype, part.shape[1]) for part in parts] + [(torch.int32, 1)]
+        rows_to_send = _gather_side_by_side(parts, token, [(expert % experts_per_rank).to(torch.int32)[:, None]])
+        recv_splits = agreed()[:, topo.rank].tolist()
         pending = self._exchange_rows(rows_to_send, send_splits, recv_splits, "low_latency_dispatch (data exchange)",
                                       ranks)
 
@@ -634,10 +640,9 @@ class ReferenceTransport(Transport):
         else:
             recv_x = torch.empty((experts_per_rank, slots, hidden), dtype=torch.bfloat16, device=dev)
             recv_scales = None
-        rows_per_expert = recv_expert_counts.sum(0)                                      # [E_loc], host
-        recv_count = rows_per_expert.to(torch.int32).to(dev)
-        begin = _exclusive_cumsum(recv_expert_counts, dim=0)                              # [R, E_loc]
-        layout_range = ((begin << 32) | recv_expert_counts).t().contiguous().to(dev)
+        # filled by the receive, as the GPU transports' kernels fill them
+        recv_count = torch.zeros(experts_per_rank, dtype=torch.int32, device=dev)
+        layout_range = torch.zeros((experts_per_rank, num_ranks), dtype=torch.int64, device=dev)
         src_info = torch.full((experts_per_rank, slots), -1, dtype=torch.int32, device=dev)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         if mask is None:
@@ -647,25 +652,31 @@ class ReferenceTransport(Transport):
             started = _now_ns()
             received = pending.wait()
             waited = _now_ns() - started
+            data, *scales, token_index, local_expert = _side_by_side(received, row_layout)
+            source = _segment_ids(recv_splits)
+            local_expert = local_expert.view(-1).long().cpu()
+            if mask is not None:   # rows from masked sources are dropped
+                keep = (mask.cpu()[source] == 0).nonzero(as_tuple=True)[0]
+                source, local_expert = source[keep], local_expert[keep]
+                keep = keep.to(received.device)
+                data, token_index, scales = data[keep], token_index[keep], [part[keep] for part in scales]
+            group = source * experts_per_rank + local_expert               # each source's rows come by expert
+            counts = torch.bincount(group, minlength=num_ranks * experts_per_rank).view(num_ranks, experts_per_rank)
+            rows_per_expert = counts.sum(0)
             over = (rows_per_expert > slots).nonzero()
             if len(over):   # checked once every exchange of the call is complete, so no peer is left waiting
                 raise ValueError(too_many_rows_message(topo.rank, int(over[0]), "checked on arrival; nothing was "
                                                        "received"))
-            # each source's rows arrive grouped by local expert (Note [one row exchange])
-            group = _segment_ids(sent_counts.flatten().tolist())                           # source * E_loc + e
-            source, local_expert = group // experts_per_rank, group % experts_per_rank
-            group_start = _exclusive_cumsum(sent_counts.flatten())
+            begin = _exclusive_cumsum(counts, dim=0)                                         # [R, E_loc]
+            group_start = _exclusive_cumsum(counts.flatten())
             position = begin[source, local_expert] + torch.arange(group.numel(), device="cpu") - group_start[group]
-            if mask is not None:   # rows from masked sources are dropped
-                keep = (mask.cpu()[source] == 0).nonzero(as_tuple=True)[0]
-                local_expert, position = local_expert[keep], position[keep]
-                received = received[keep.to(received.device)]
             e, p = local_expert.to(dev), position.to(dev)
-            data, *scales, token = _side_by_side(received, row_layout)
             _put(recv_x, e, p, data.to(dev))
-            src_info[e, p] = token.to(dev).view(-1)
+            src_info[e, p] = token_index.to(dev).view(-1)
             if options.use_fp8:
                 recv_scales[e, p] = pack_ue8m0(scales[0].to(dev)) if options.use_ue8m0 else scales[0].to(dev)
+            recv_count.copy_(rows_per_expert.to(torch.int32))
+            layout_range.copy_(((begin << 32) | counts).t())
             if wait_stats is not None:
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
         return output, receive
@@ -688,7 +699,7 @@ class ReferenceTransport(Transport):
             hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
             use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]),
             extra=per_source.tolist() + [-1 if sent is None else sent.dispatch], ranks=ranks,
-            check_values=check_values)
+            bad_input=self._refusal(check_values))
         # rows to return, grouped by source rank, then local expert (each block in slot order)
         flat_counts = counts.t().flatten()                                                # [R * E_loc] source-major
         flat_begins = begins.t().flatten()
@@ -744,16 +755,21 @@ class ReferenceTransport(Transport):
         return receive
 
 
-def _gather_side_by_side(parts: List[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
-    """Rows `index` of each of `parts` (2-D, as many rows each), side by side as bytes in one uint8 tensor of
-    `len(index)` rows (Note [one row exchange])."""
-    as_bytes = [rows_as_bytes(part.contiguous()) for part in parts]
-    packed = torch.empty((index.numel(), sum(b.shape[1] for b in as_bytes)), dtype=torch.uint8,
+def _gather_side_by_side(parts: List[torch.Tensor], index: torch.Tensor, more: Sequence[torch.Tensor] = ()
+                         ) -> torch.Tensor:
+    """Rows `index` of each of `parts` (2-D, as many rows each), then the rows of `more` (2-D, a row per index),
+    side by side as bytes in one uint8 tensor of `len(index)` rows (Note [one row exchange])."""
+    columns = [rows_as_bytes(part.contiguous()) for part in (*parts, *more)]
+    packed = torch.empty((index.numel(), sum(c.shape[1] for c in columns)), dtype=torch.uint8,
                          device=parts[0].device)
     offset = 0
-    for b in as_bytes:
-        torch.index_select(b, 0, index, out=packed[:, offset:offset + b.shape[1]])
-        offset += b.shape[1]
+    for i, column in enumerate(columns):
+        target = packed[:, offset:offset + column.shape[1]]
+        if i < len(parts):
+            torch.index_select(column, 0, index, out=target)
+        else:
+            target.copy_(column)
+        offset += column.shape[1]
     return packed
 
 
