@@ -4,9 +4,9 @@ It is the semantic oracle of the fast paths and the data path wherever they do n
 a gloo group, CUDA tensors on an NCCL group, one node or many). Per call it runs:
   1. an all-gather of a fixed-size header (operation, call number, shapes) so that ranks calling with
      different shapes or different operations all get a clear error instead of a garbled exchange;
-  2. an all-to-all of small count vectors (splits, per-expert counts, channel counts) unless the handle
-     already holds them;
-  3. the data (Note [rows travel alone]);
+  2. an all-to-all of small count vectors (splits, per-expert counts, channel counts) in a normal dispatch
+     (cached calls take them from the handle; a low-latency dispatch's rows per rank travel with the header);
+  3. the data (Note [rows travel alone]; low latency: Note [one row exchange]);
 and then places the rows with vectorised index operations. Counts go to the host (`tolist`) to size the
 variable all-to-all, so this transport always synchronises the host; that is its price, not its contract.
 
