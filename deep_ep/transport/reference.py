@@ -171,12 +171,12 @@ class ReferenceTransport(Transport):
         route = self._routes.get(id(received_rows))
         if route is None:
             route = _route(is_token_in_rank, self._recv_per_source(handle))
-            self._remember(received_rows, route)
+            self._remember(self._routes, received_rows, route)
         return route
 
-    def _remember(self, key: torch.Tensor, value: object, table: Optional[Dict[int, object]] = None) -> None:
-        """Keep `value` in `table` (default: the routes) under `key` for as long as `key` lives."""
-        table = self._routes if table is None else table
+    @staticmethod
+    def _remember(table: Dict[int, object], key: torch.Tensor, value: object) -> None:
+        """Keep `value` in `table` under `key` for as long as `key` lives."""
         table[id(key)] = value
         weakref.finalize(key, table.pop, id(key), None)
 
@@ -384,7 +384,7 @@ class ReferenceTransport(Transport):
                                                 recv_channel_counts, rank_prefix_matrix, recv, num_recv, num_rows,
                                                 is_token_in_rank, experts_per_rank, num_channels,
                                                 worst_rows=num_worst_tokens)
-        self._remember(_routing(out.handle, topo.is_internode)[1], route)
+        self._remember(self._routes, _routing(out.handle, topo.is_internode)[1], route)
         out.num_recv_tokens_per_expert_list = [] if num_worst_tokens else aligned.tolist()
         return out
 
@@ -622,9 +622,9 @@ class ReferenceTransport(Transport):
         parts = [x]
         if options.use_fp8:
             parts = list(per_token_cast_to_fp8(x, round_scale=options.round_scale))
-        parts.append(torch.arange(x.shape[0], dtype=torch.int32, device=x.device)[:, None])   # the token's index
-        row_layout = [(part.dtype, part.shape[1]) for part in parts] + [(torch.int32, 1)]
-        rows_to_send = _gather_side_by_side(parts, token, [(expert % experts_per_rank).to(torch.int32)[:, None]])
+        beside = [token.to(torch.int32)[:, None], (expert % experts_per_rank).to(torch.int32)[:, None]]
+        row_layout = [(part.dtype, part.shape[1]) for part in parts] + [(torch.int32, 1)] * len(beside)
+        rows_to_send = _gather_side_by_side(parts, token, beside)
         recv_splits = agreed()[:, topo.rank].tolist()
         pending = self._exchange_rows(rows_to_send, send_splits, recv_splits, "low_latency_dispatch (data exchange)",
                                       ranks)
@@ -646,7 +646,7 @@ class ReferenceTransport(Transport):
         src_info = torch.full((experts_per_rank, slots), -1, dtype=torch.int32, device=dev)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         if mask is None:
-            self._remember(src_info, _Selections(token, slot, expert, self._call_number), self._sent_selections)
+            self._remember(self._sent_selections, src_info, _Selections(token, slot, expert, self._call_number))
 
         def receive() -> None:
             started = _now_ns()
@@ -755,20 +755,20 @@ class ReferenceTransport(Transport):
         return receive
 
 
-def _gather_side_by_side(parts: List[torch.Tensor], index: torch.Tensor, more: Sequence[torch.Tensor] = ()
+def _gather_side_by_side(parts: List[torch.Tensor], index: torch.Tensor, beside: Sequence[torch.Tensor] = ()
                          ) -> torch.Tensor:
-    """Rows `index` of each of `parts` (2-D, as many rows each), then the rows of `more` (2-D, a row per index),
-    side by side as bytes in one uint8 tensor of `len(index)` rows (Note [one row exchange])."""
-    columns = [rows_as_bytes(part.contiguous()) for part in (*parts, *more)]
-    packed = torch.empty((index.numel(), sum(c.shape[1] for c in columns)), dtype=torch.uint8,
+    """Rows `index` of each of `parts` (2-D, as many rows each), then `beside` (2-D, a row per index), side by
+    side as bytes in one uint8 tensor of `len(index)` rows (Note [one row exchange])."""
+    gathered = [rows_as_bytes(part.contiguous()) for part in parts]
+    as_is = [rows_as_bytes(column.contiguous()) for column in beside]
+    packed = torch.empty((index.numel(), sum(c.shape[1] for c in gathered + as_is)), dtype=torch.uint8,
                          device=parts[0].device)
     offset = 0
-    for i, column in enumerate(columns):
-        target = packed[:, offset:offset + column.shape[1]]
-        if i < len(parts):
-            torch.index_select(column, 0, index, out=target)
-        else:
-            target.copy_(column)
+    for column in gathered:
+        torch.index_select(column, 0, index, out=packed[:, offset:offset + column.shape[1]])
+        offset += column.shape[1]
+    for column in as_is:
+        packed[:, offset:offset + column.shape[1]] = column
         offset += column.shape[1]
     return packed
 
