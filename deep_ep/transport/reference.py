@@ -3,10 +3,11 @@
 It is the semantic oracle of the fast paths and the data path wherever they do not apply (CPU tensors on
 a gloo group, CUDA tensors on an NCCL group, one node or many). Per call it runs:
   1. an all-gather of a fixed-size header (operation, call number, shapes) so that ranks calling with
-     different shapes or different operations all get a clear error instead of a garbled exchange;
-  2. an all-to-all of small count vectors (splits, per-expert counts, channel counts) in a normal dispatch
-     (cached calls take them from the handle; a low-latency dispatch's rows per rank travel with the header);
-  3. the data (Note [rows travel alone]; low latency: Note [one row exchange]);
+     different shapes or different operations all get a clear error instead of a garbled exchange (calls
+     with a handle: once per handle and shapes, Note [checked once per handle]);
+  2. the data (Note [rows travel alone]; low latency: Note [one row exchange]): the rows each rank sends
+     each rank travel with the header (cached calls take them from the handle), a normal dispatch's other
+     counts beside the rows (Note [counts beside the rows]);
 and then places the rows with vectorised index operations. Counts go to the host (`tolist`) to size the
 variable all-to-all, so this transport always synchronises the host; that is its price, not its contract.
 
@@ -31,6 +32,19 @@ Note [one row exchange]: a low-latency dispatch sends each selected row with its
 and its local expert beside it, in one exchange whose sizes (rows for each rank) travel with the header: the
 receiver copies the rows into the expert-major output anyway, and counts them per expert itself (a source's
 rows come sorted by expert), so no count exchange precedes them.
+
+Note [checked once per handle]: a cached dispatch, a combine or a low-latency combine whose handle's previous
+call of the same operation had the same shapes, agreed by every rank (with the handles coming from one
+dispatch), moves its rows at once; any other call exchanges its header first. Every rank knows the same
+agreed call, so when all ranks repeat it they all skip the header, and ranks that skip it pass the same
+shapes. What is not detected is a call that repeats the agreed one on some ranks only, the others passing
+other shapes or another dispatch's handle: the skipping ranks' data exchange meets the others' header
+exchange, and every rank raises `CommTimeoutError` naming its exchange. On a repeated low-latency combine, a
+rank whose ids are refused raises alone, after the exchange (the others do not wait for it).
+
+Note [counts beside the rows]: a dispatch's counts for each destination rank (rows per expert of that rank and per
+channel) travel at the end of that rank's block of per-row fields, as a few more byte rows: the header told
+every rank how many rows each rank sends it, so the data exchange can start without a count exchange.
 
 Note [handle routes]: a dispatch keeps the route of its rows (`_Route`) under the handle's tensor with a row per
 received row, so that its cached dispatches and combines need no host reads besides their own exchanges; a
@@ -128,7 +142,9 @@ class _Selections(NamedTuple):
     token: torch.Tensor
     slot: torch.Tensor
     expert: torch.Tensor
-    dispatch: int   # the dispatch's call number (the same on every rank)
+    send_splits: List[int]   # rows sent to each rank: what each rank's combine returns here
+    dispatch: int            # the dispatch's call number (the same on every rank)
+    agreed: List[tuple]      # the combine call the ranks last agreed on (Note [checked once per handle])
 
 
 class _Route(NamedTuple):
@@ -137,13 +153,14 @@ class _Route(NamedTuple):
     token: torch.Tensor         # source token of each row sent
     send_splits: List[int]      # rows sent to each rank
     recv_splits: List[int]      # rows received from each rank
-    dispatch: int = -1          # the dispatch's call number (the same on every rank), -1 if rebuilt from a handle
+    dispatch: int               # the dispatch's call number (the same on every rank), -1 if rebuilt from a handle
+    agreed: List[tuple]         # the cached call the ranks last agreed on (Note [checked once per handle])
 
 
 def _route(is_token_in_rank: torch.Tensor, recv_splits: Sequence[int]) -> _Route:
     """The route of a dispatch, rebuilt from its `is_token_in_rank` and the rows it received from each rank."""
     destination, token = is_token_in_rank.t().nonzero(as_tuple=True)
-    return _Route(destination, token, is_token_in_rank.sum(0).tolist(), [int(n) for n in recv_splits])
+    return _Route(destination, token, is_token_in_rank.sum(0).tolist(), [int(n) for n in recv_splits], -1, [])
 
 
 def _routing(handle: tuple, internode: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -243,7 +260,12 @@ class ReferenceTransport(Transport):
     def _start_agreement_on_route(self, op: str, fields: Dict[str, int], route: "_Route") -> Callable[[], None]:
         """`_start_agreement`, and on completion check that the ranks' handles come from the same dispatch: what
         each rank's handle says it sent to every rank is what that rank's handle says it received (else
-        ValueError on every rank)."""
+        ValueError on every rank). A call the ranks agreed on before with this handle exchanges nothing (Note
+        [checked once per handle])."""
+        call = (op, *fields.values())
+        if call in route.agreed:   # Note [checked once per handle]
+            self._call_number += 1
+            return lambda: None
         R = self.topology.num_ranks
         finish = self._start_agreement(op, fields, extra=route.send_splits + route.recv_splits + [route.dispatch])
 
@@ -261,16 +283,8 @@ class ReferenceTransport(Transport):
                                  f"handle has {int(sent[source, destination])} rows for rank {destination}, whose "
                                  f"handle has {int(received[destination, source])} from rank {source}); every rank "
                                  "must pass its handle of the same dispatch")
+            route.agreed[:] = [call]
         return check
-
-    def _exchange_counts(self, per_destination: torch.Tensor, what: str,
-                         ranks: Optional[List[int]] = None) -> torch.Tensor:
-        """All-to-all of one int64 row per destination rank: returns one row per source rank (zeros for
-        ranks outside `ranks`)."""
-        send = per_destination.to(torch.int64).contiguous()
-        recv = torch.zeros_like(send)
-        self.group.all_to_all(recv, send, None, None, what, ranks).wait()
-        return recv
 
     def _exchange_rows(self, packed: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                        what: str, ranks: Optional[List[int]] = None):
@@ -354,19 +368,20 @@ class ReferenceTransport(Transport):
             r = int(over[0])
             raise ValueError(f"dispatch: num_worst_tokens={int(worst[r])} on rank {r} is smaller than the "
                              f"{int(receives[r])} tokens it receives")
-        received = self._exchange_counts(torch.cat(parts, dim=1), "dispatch (count exchange)").cpu()
+        # num_tokens_per_rank, the column sums of is_token_in_rank, came to the host with the header: the rows
+        # each rank sends to each rank; the counts travel beside the rows (Note [counts beside the rows])
+        sent_per_rank = gathered_per_rank[:, :num_ranks]
+        route = _Route(destination, token, sent_per_rank[topo.rank].tolist(), sent_per_rank[:, topo.rank].tolist(),
+                       self._call_number, [])
+        num_recv = sum(route.recv_splits)
+        num_rows = num_worst_tokens or num_recv
+        recv = self._exchange_dispatch_rows(outgoing, route, num_rows, "dispatch (data exchange)",
+                                            per_destination=torch.cat(parts, dim=1))
+        received = recv["per_source"]
         recv_expert_counts = received[:, :experts_per_rank]
         recv_channel_counts = received[:, experts_per_rank:experts_per_rank + num_channels]
-        recv_per_source = recv_channel_counts.sum(1)
-        num_recv = int(recv_per_source.sum())
         per_expert = recv_expert_counts.sum(0)
         aligned = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
-        num_rows = num_worst_tokens or num_recv
-
-        # num_tokens_per_rank, the column sums of is_token_in_rank, came to the host with the header
-        route = _Route(destination, token, gathered_per_rank[topo.rank, :num_ranks].tolist(),
-                       recv_per_source.tolist(), self._call_number)
-        recv = self._exchange_dispatch_rows(outgoing, route, num_rows, "dispatch (data exchange)")
         out = self._place_rows(recv, x, x_scales, topk_idx, topk_weights, num_recv, num_rows, experts_per_rank)
 
         rank_prefix_matrix = torch.cumsum(gathered_per_rank[:, :num_ranks], dim=0).to(torch.int32)
@@ -407,18 +422,27 @@ class ReferenceTransport(Transport):
         return _take(x, token), packer
 
     def _exchange_dispatch_rows(self, outgoing: Tuple[torch.Tensor, "_Packer"], route: _Route, num_rows: int,
-                                what: str) -> Dict[str, torch.Tensor]:
-        """Send `_dispatch_rows_to_send`'s rows. Returns the received fields by name; `x` has `num_rows` rows,
-        the received ones first."""
+                                what: str, per_destination: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        """Send `_dispatch_rows_to_send`'s rows, and `per_destination` (a row of int64 per destination rank, with
+        fields to pack beside the rows) at the end of each rank's block of fields (Note [counts beside the
+        rows]). Returns the received fields by name, `per_source` (a row per source rank) if sent; `x` has
+        `num_rows` rows, the received ones first."""
         rows_x, packer = outgoing
         num_recv = sum(route.recv_splits)
         recv_x = rows_x.new_empty((num_rows, rows_x.shape[1]))
         pending_x = self.group.all_to_all(recv_x[:num_recv], rows_x, route.recv_splits, route.send_splits, what)
         rows: Dict[str, torch.Tensor] = {}
         if packer.fields:
-            received = self._exchange_rows(packer.pack(rows_x.shape[0], rows_x.device), route.send_splits,
-                                           route.recv_splits, what).wait()
-            rows = packer.unpack(received)
+            packed = packer.pack(rows_x.shape[0], rows_x.device)
+            send_splits, recv_splits = route.send_splits, route.recv_splits
+            if per_destination is not None:
+                packed, send_splits, recv_splits = _append_to_blocks(packed, send_splits, recv_splits,
+                                                                     per_destination)
+            received = self._exchange_rows(packed, send_splits, recv_splits, what).wait()
+            if per_destination is not None:
+                received, rows["per_source"] = _split_from_blocks(received, route.recv_splits,
+                                                                  per_destination.shape[1])
+            rows.update(packer.unpack(received))
         pending_x.wait()
         rows["x"] = recv_x
         return rows
@@ -646,7 +670,8 @@ class ReferenceTransport(Transport):
         src_info = torch.full((experts_per_rank, slots), -1, dtype=torch.int32, device=dev)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         if mask is None:
-            self._remember(self._sent_selections, src_info, _Selections(token, slot, expert, self._call_number))
+            self._remember(self._sent_selections, src_info,
+                           _Selections(token, slot, expert, send_splits, self._call_number, []))
 
         def receive() -> None:
             started = _now_ns()
@@ -693,13 +718,19 @@ class ReferenceTransport(Transport):
         begins = (layout_range >> 32).cpu()
         per_source = counts.sum(0)
         sent = self._sent_selections.get(id(src_info)) if mask is None else None
-        # every rank's rows per destination travel with the header (what comes back here is column `rank`), and
-        # the call number of the dispatch whose selections it remembers (-1: none; Note [returned in sent order])
-        agreed = self._start_agreement("low_latency_combine", dict(
-            hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
-            use_logfmt=int(use_logfmt), topk=topk_idx.shape[1]),
-            extra=per_source.tolist() + [-1 if sent is None else sent.dispatch], ranks=ranks,
-            bad_input=self._refusal(check_values))
+        fields = dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
+                      use_logfmt=int(use_logfmt), topk=topk_idx.shape[1])
+        call = tuple(fields.values())
+        bad_input = self._refusal(check_values)
+        agreed = None
+        if sent is not None and call in sent.agreed:   # Note [checked once per handle]
+            self._call_number += 1
+        else:
+            # every rank's rows per destination travel with the header (what comes back here is column `rank`),
+            # and the call number of the dispatch whose selections it remembers (-1: none; Note [returned in
+            # sent order])
+            agreed = self._start_agreement("low_latency_combine", fields, extra=per_source.tolist() + [
+                -1 if sent is None else sent.dispatch], ranks=ranks, bad_input=bad_input)
         # rows to return, grouped by source rank, then local expert (each block in slot order)
         flat_counts = counts.t().flatten()                                                # [R * E_loc] source-major
         flat_begins = begins.t().flatten()
@@ -712,20 +743,28 @@ class ReferenceTransport(Transport):
         rows = x[expert_ids, positions]
         if use_logfmt:
             rows = logfmt_roundtrip(rows)
-        gathered = agreed()
-        recv_splits = gathered[:, topo.rank].tolist()
-        dispatches = gathered[ranks if ranks is not None else slice(None), num_ranks]
-        if bool((dispatches >= 0).all()) and not bool((dispatches == dispatches[0]).all()):
-            raise ValueError(f"low_latency_combine: handle: the ranks passed handles of different dispatches "
-                             f"(dispatch call numbers {dispatches.tolist()}); every rank must pass its handle of the "
-                             "same low_latency_dispatch")
         packer = _Packer()
-        if not bool((dispatches >= 0).all()):   # some rank knows not what it sent: ids come back with the rows
-            sent = None
-            packer.add("token", src_info[expert_ids, positions])
-            packer.add("expert", (expert_ids + topo.rank * experts_per_rank).to(torch.int32))
+        if agreed is None:
+            recv_splits = sent.send_splits
+        else:
+            gathered = agreed()
+            recv_splits = gathered[:, topo.rank].tolist()
+            dispatches = gathered[ranks if ranks is not None else slice(None), num_ranks]
+            if bool((dispatches >= 0).all()) and not bool((dispatches == dispatches[0]).all()):
+                raise ValueError(f"low_latency_combine: handle: the ranks passed handles of different dispatches "
+                                 f"(dispatch call numbers {dispatches.tolist()}); every rank must pass its handle of "
+                                 "the same low_latency_dispatch")
+            if not bool((dispatches >= 0).all()):   # some rank knows not what it sent: ids come back with the rows
+                sent = None
+                packer.add("token", src_info[expert_ids, positions])
+                packer.add("expert", (expert_ids + topo.rank * experts_per_rank).to(torch.int32))
+            elif sent is not None:
+                sent.agreed[:] = [call]
         wait = self._exchange_rows_and_fields(rows, packer, per_source.tolist(), recv_splits,
                                               "low_latency_combine (data exchange)", ranks)
+        if bad_input is not None:   # an agreed call: the others do not wait for this rank's refusal
+            wait()
+            raise bad_input
         num_tokens = topk_idx.shape[0]
 
         def receive() -> None:
@@ -753,6 +792,38 @@ class ReferenceTransport(Transport):
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
 
         return receive
+
+
+def _append_to_blocks(packed: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                      per_destination: torch.Tensor) -> Tuple[torch.Tensor, List[int], List[int]]:
+    """`packed` (byte rows in blocks of `send_splits` rows, one per destination rank) with destination d's row
+    of `per_destination` appended to its block as a few more byte rows; the splits that this gives both ways."""
+    extra = _as_block_rows(per_destination, packed.shape[1])
+    pieces = []
+    for block, tail in zip(torch.split(packed, list(send_splits)), extra):
+        pieces += [block, tail]
+    k = extra.shape[1]
+    return torch.cat(pieces), [n + k for n in send_splits], [n + k for n in recv_splits]
+
+
+def _as_block_rows(per_destination: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """[R, k, row_bytes] uint8: each rank's int64 row in k byte rows (the last one zero-padded)."""
+    as_bytes = rows_as_bytes(per_destination.to(torch.int64).contiguous())
+    k = -(-as_bytes.shape[1] // row_bytes)
+    padded = as_bytes.new_zeros((as_bytes.shape[0], k * row_bytes))
+    padded[:, :as_bytes.shape[1]] = as_bytes
+    return padded.view(as_bytes.shape[0], k, row_bytes)
+
+
+def _split_from_blocks(received: torch.Tensor, recv_splits: Sequence[int], width: int
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `_append_to_blocks` on the receiving side: the byte rows without the appended ones, and
+    the appended int64 rows ([R, width], one per source rank)."""
+    k = -(-width * 8 // received.shape[1])
+    pieces = torch.split(received, [n for count in recv_splits for n in (count, k)])
+    rows = torch.cat(pieces[0::2])
+    tails = torch.stack(pieces[1::2]).view(len(recv_splits), -1)[:, :width * 8]
+    return rows, tails.contiguous().view(torch.int64).cpu()
 
 
 def _gather_side_by_side(parts: List[torch.Tensor], index: torch.Tensor, beside: Sequence[torch.Tensor] = ()

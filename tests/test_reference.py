@@ -1,0 +1,130 @@
+"""The reference transport's exchanges per call: a call with a handle that repeats the handle's previous call
+of its operation exchanges no header (Note [checked once per handle] in deep_ep/transport/reference.py), and
+what it returns does not depend on whether it did. Results themselves are compared with the models in test_normal.py and
+test_low_latency.py."""
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+
+from compare import report_mismatches
+from randomness import base_seed, bits, generator
+
+
+def _counting_exchanges(transport) -> Dict[str, int]:
+    """Count the transport's header exchanges (all-gathers) and data exchanges (all-to-alls) from now on."""
+    counts = {"headers": 0, "exchanges": 0}
+    group = transport.group
+    start_all_gather, all_to_all = group.start_all_gather, group.all_to_all
+
+    def counted_all_gather(*args, **kwargs):
+        counts["headers"] += 1
+        return start_all_gather(*args, **kwargs)
+
+    def counted_all_to_all(*args, **kwargs):
+        counts["exchanges"] += 1
+        return all_to_all(*args, **kwargs)
+    group.start_all_gather, group.all_to_all = counted_all_gather, counted_all_to_all
+    return counts
+
+
+def _expect(counts: Dict[str, int], what: str, call: Callable[[], object], headers: int, problems: List[str],
+            rank: int) -> object:
+    """Run `call`; note a problem unless it made `headers` header exchanges and at least one data exchange."""
+    before = dict(counts)
+    out = call()
+    made = counts["headers"] - before["headers"]
+    if made != headers or counts["exchanges"] == before["exchanges"]:
+        problems.append(f"rank {rank}: {what}: {made} header exchanges (expected {headers}), "
+                        f"{counts['exchanges'] - before['exchanges']} data exchanges")
+    return out
+
+
+def run_normal_calls(ctx, seed: int) -> List[str]:
+    from deep_ep import Buffer
+    T, H, E, K = 24, 64, 4 * ctx.world_size, 2
+    gen = generator(seed, "reference calls", ctx.rank)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
+    wide = torch.randn(T, 2 * H, generator=gen).to(torch.bfloat16).to(ctx.device)
+    topk_idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(ctx.device)
+    topk_weights = torch.rand(T, K, generator=gen).to(ctx.device)
+    buffer = Buffer(ctx.group, 1 << 24, transport="reference")
+    counts = _counting_exchanges(buffer._transport)
+    problems: List[str] = []
+    layout = buffer.get_dispatch_layout(topk_idx, E)
+    recv_x, _, recv_weights, _, handle, _ = _expect(counts, "dispatch", lambda: buffer.dispatch(
+        x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+        topk_idx=topk_idx, topk_weights=topk_weights), 1, problems, ctx.rank)
+    first = _expect(counts, "first cached dispatch", lambda: buffer.dispatch(x, handle=handle)[0], 1, problems,
+                    ctx.rank)
+    again = _expect(counts, "repeated cached dispatch", lambda: buffer.dispatch(x, handle=handle)[0], 0, problems,
+                    ctx.rank)
+    _expect(counts, "cached dispatch with a new hidden size", lambda: buffer.dispatch(wide, handle=handle), 1,
+            problems, ctx.rank)
+    _expect(counts, "cached dispatch with the new hidden size again", lambda: buffer.dispatch(wide, handle=handle),
+            0, problems, ctx.rank)
+    _expect(counts, "cached dispatch back at the first hidden size", lambda: buffer.dispatch(x, handle=handle), 1,
+            problems, ctx.rank)
+    if not (torch.equal(bits(first), bits(recv_x)) and torch.equal(bits(again), bits(recv_x))):
+        problems.append(f"rank {ctx.rank}: cached dispatches differ from the dispatch")
+    combined = _expect(counts, "first combine", lambda: buffer.combine(recv_x, handle, topk_weights=recv_weights),
+                       1, problems, ctx.rank)
+    repeated = _expect(counts, "repeated combine", lambda: buffer.combine(recv_x, handle, topk_weights=recv_weights),
+                       0, problems, ctx.rank)
+    _expect(counts, "combine without weights", lambda: buffer.combine(recv_x, handle), 1, problems, ctx.rank)
+    if not all(torch.equal(bits(a), bits(b)) for a, b in zip(combined[:2], repeated[:2])):
+        problems.append(f"rank {ctx.rank}: the repeated combine differs from the first")
+    return problems
+
+
+def run_low_latency_calls(ctx, seed: int) -> List[str]:
+    from deep_ep import Buffer
+    N, H, E, K = 8, 128, 4 * ctx.world_size, 3
+    gen = generator(seed, "reference low-latency calls", ctx.rank)
+    x = torch.randn(N - 1, H, generator=gen).to(torch.bfloat16).to(ctx.device)
+    topk_idx = torch.rand(N - 1, E, generator=gen).topk(K, dim=1).indices.to(ctx.device)
+    topk_idx[0, 1] = -1
+    topk_weights = torch.rand(N - 1, K, generator=gen).to(ctx.device)
+    hint = Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E)
+    buffer = Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=E // ctx.world_size,
+                    transport="reference")
+    counts = _counting_exchanges(buffer._transport)
+    problems: List[str] = []
+    recv_x, _, handle, _, _ = _expect(counts, "dispatch", lambda: buffer.low_latency_dispatch(
+        x, topk_idx, N, E, use_fp8=False), 1, problems, ctx.rank)
+    first = _expect(counts, "first combine", lambda: buffer.low_latency_combine(
+        recv_x, topk_idx, topk_weights, handle)[0], 1, problems, ctx.rank)
+    again = _expect(counts, "repeated combine", lambda: buffer.low_latency_combine(
+        recv_x, topk_idx, topk_weights, handle)[0], 0, problems, ctx.rank)
+    _expect(counts, "combine with LogFMT", lambda: buffer.low_latency_combine(
+        recv_x, topk_idx, topk_weights, handle, use_logfmt=True), 1, problems, ctx.rank)
+    _expect(counts, "combine without LogFMT again", lambda: buffer.low_latency_combine(
+        recv_x, topk_idx, topk_weights, handle), 1, problems, ctx.rank)
+    if not torch.equal(bits(first), bits(again)):
+        problems.append(f"rank {ctx.rank}: the repeated combine differs from the first")
+    # ids out of range on one rank, in a repeated combine: that rank refuses after the exchange, the others
+    # return their rows, and the next call finds every rank in step
+    bad = topk_idx.clone()
+    bad[0, 0] = E if ctx.rank == 0 else bad[0, 0]
+    try:
+        buffer.low_latency_combine(recv_x, bad, topk_weights, handle)
+        if ctx.rank == 0:
+            problems.append("rank 0: no error for an expert id equal to num_experts")
+    except ValueError as error:
+        if ctx.rank != 0 or "topk_idx" not in str(error):
+            problems.append(f"rank {ctx.rank}: {error}")
+    after = buffer.low_latency_combine(recv_x, topk_idx, topk_weights, handle)[0]
+    if not torch.equal(bits(after), bits(first)):
+        problems.append(f"rank {ctx.rank}: the combine after a refused one differs from the first")
+    return problems
+
+
+def test_cached_dispatch_and_combine_exchange_their_header_once_per_handle_and_shapes(pool):
+    seed = base_seed()
+    report_mismatches(seed, lambda: pool(2).run(run_normal_calls, seed))
+
+
+def test_low_latency_combine_exchanges_its_header_once_per_handle_and_shapes(pool):
+    seed = base_seed()
+    report_mismatches(seed, lambda: pool(2).run(run_low_latency_calls, seed))
