@@ -145,6 +145,7 @@ class _Selections(NamedTuple):
     send_splits: List[int]   # rows sent to each rank: what each rank's combine returns here
     dispatch: int            # the dispatch's call number (the same on every rank)
     agreed: List[tuple]      # the combine call the ranks last agreed on (Note [checked once per handle])
+    received: List           # once received: the rows a combine returns, as `_rows_to_return` gives them
 
 
 class _Route(NamedTuple):
@@ -669,9 +670,10 @@ class ReferenceTransport(Transport):
         layout_range = torch.zeros((experts_per_rank, num_ranks), dtype=torch.int64, device=dev)
         src_info = torch.full((experts_per_rank, slots), -1, dtype=torch.int32, device=dev)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
+        remembered = None
         if mask is None:
-            self._remember(self._sent_selections, src_info,
-                           _Selections(token, slot, expert, send_splits, self._call_number, []))
+            remembered = _Selections(token, slot, expert, send_splits, self._call_number, [], [])
+            self._remember(self._sent_selections, src_info, remembered)
 
         def receive() -> None:
             started = _now_ns()
@@ -696,6 +698,8 @@ class ReferenceTransport(Transport):
             group_start = _exclusive_cumsum(counts.flatten())
             position = begin[source, local_expert] + torch.arange(group.numel(), device="cpu") - group_start[group]
             e, p = local_expert.to(dev), position.to(dev)
+            if remembered is not None:   # in the order a combine returns them: by source, expert, slot
+                remembered.received[:] = [e * slots + p, counts.sum(1).tolist()]
             _put(recv_x, e, p, data.to(dev))
             src_info[e, p] = token_index.to(dev).view(-1)
             if options.use_fp8:
@@ -714,10 +718,9 @@ class ReferenceTransport(Transport):
         num_ranks = topo.num_ranks
         experts_per_rank, hidden = x.shape[0], x.shape[2]
         num_experts = experts_per_rank * num_ranks
-        counts = (layout_range & 0xFFFFFFFF).cpu()                                        # [E_loc, R]
-        begins = (layout_range >> 32).cpu()
-        per_source = counts.sum(0)
         sent = self._sent_selections.get(id(src_info)) if mask is None else None
+        row_index, per_source = sent.received if sent is not None and sent.received else \
+            _rows_to_return(layout_range, x.shape[1])
         fields = dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,
                       use_logfmt=int(use_logfmt), topk=topk_idx.shape[1])
         call = tuple(fields.values())
@@ -729,18 +732,10 @@ class ReferenceTransport(Transport):
             # every rank's rows per destination travel with the header (what comes back here is column `rank`),
             # and the call number of the dispatch whose selections it remembers (-1: none; Note [returned in
             # sent order])
-            agreed = self._start_agreement("low_latency_combine", fields, extra=per_source.tolist() + [
+            agreed = self._start_agreement("low_latency_combine", fields, extra=per_source + [
                 -1 if sent is None else sent.dispatch], ranks=ranks, bad_input=bad_input)
-        # rows to return, grouped by source rank, then local expert (each block in slot order)
-        flat_counts = counts.t().flatten()                                                # [R * E_loc] source-major
-        flat_begins = begins.t().flatten()
-        expert_of_block = torch.arange(experts_per_rank, device="cpu").repeat(num_ranks)
-        total = int(flat_counts.sum())
-        block = _segment_ids(flat_counts.tolist())
-        offset_in_block = torch.arange(total, device="cpu") - _exclusive_cumsum(flat_counts)[block]
-        expert_ids = expert_of_block[block].to(x.device)
-        positions = (flat_begins[block] + offset_in_block).to(x.device)
-        rows = x[expert_ids, positions]
+        row_index = row_index.to(x.device)
+        rows = _take(x.reshape(-1, hidden), row_index)
         if use_logfmt:
             rows = logfmt_roundtrip(rows)
         packer = _Packer()
@@ -756,11 +751,11 @@ class ReferenceTransport(Transport):
                                  "the same low_latency_dispatch")
             if not bool((dispatches >= 0).all()):   # some rank knows not what it sent: ids come back with the rows
                 sent = None
-                packer.add("token", src_info[expert_ids, positions])
-                packer.add("expert", (expert_ids + topo.rank * experts_per_rank).to(torch.int32))
+                packer.add("token", _take(src_info.reshape(-1), row_index.to(src_info.device)))
+                packer.add("expert", (row_index // x.shape[1] + topo.rank * experts_per_rank).to(torch.int32))
             elif sent is not None:
                 sent.agreed[:] = [call]
-        wait = self._exchange_rows_and_fields(rows, packer, per_source.tolist(), recv_splits,
+        wait = self._exchange_rows_and_fields(rows, packer, per_source, recv_splits,
                                               "low_latency_combine (data exchange)", ranks)
         if bad_input is not None:   # an agreed call: the others do not wait for this rank's refusal
             wait()
@@ -778,20 +773,35 @@ class ReferenceTransport(Transport):
                 token_of, slot_of, row = _rows_in_sent_order(sent, topk_idx, valid, values.shape[0])
             else:
                 token_of, slot_of, row = _rows_by_key(back, topk_idx, valid, num_max_tokens, out.device)
-            accumulator = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=out.device)
             # an unused selection reads a zero row with weight +0: it adds +0 to a sum that starts at +0
             padded = torch.cat([values, values.new_zeros((1, hidden))])
             row_of = torch.full(valid.shape, values.shape[0], dtype=torch.int64, device=out.device)
             row_of[token_of, slot_of] = row
             weights = torch.where(valid, topk_weights.float(), 0.0)
+            accumulator = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=out.device)
             # fixed order: ascending top-k slot, one slot's rows at a time (not a [tokens, top-k, hidden] f32 tensor)
             for k in range(topk_idx.shape[1]):
-                accumulator += padded.index_select(0, row_of[:, k]).float() * weights[:, k, None]
+                accumulator += _take(padded, row_of[:, k]).float() * weights[:, k, None]
             out.copy_(accumulator.to(torch.bfloat16))
             if wait_stats is not None:
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
 
         return receive
+
+
+def _rows_to_return(layout_range: torch.Tensor, slots: int) -> Tuple[torch.Tensor, List[int]]:
+    """From a low-latency handle's `layout_range` [E_loc, R]: the rows a combine returns, as indices into its
+    x viewed as [E_loc * slots, hidden], grouped by source rank, then local expert (each block in slot order);
+    and the number for each source rank."""
+    experts_per_rank, num_ranks = layout_range.shape
+    counts = (layout_range & 0xFFFFFFFF).cpu()
+    begins = (layout_range >> 32).cpu()
+    flat_counts = counts.t().flatten()                                                # [R * E_loc] source-major
+    block = _segment_ids(flat_counts.tolist())
+    offset_in_block = torch.arange(block.numel(), device="cpu") - _exclusive_cumsum(flat_counts)[block]
+    expert = torch.arange(experts_per_rank, device="cpu").repeat(num_ranks)[block]
+    position = begins.t().flatten()[block] + offset_in_block
+    return expert * slots + position, counts.sum(0).tolist()
 
 
 def _append_to_blocks(packed: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
