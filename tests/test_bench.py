@@ -74,6 +74,32 @@ def test_bench_plot(tmp_path):
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_checks_the_outputs_of_the_timed_calls(tmp_path):
+    # combine right for the untimed calls that check it (one per input), wrong from then on
+    script = tmp_path / "late_broken_combine.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import deep_ep.buffer
+
+        _combine = deep_ep.buffer.Buffer.combine
+        calls = [0]
+
+        def combine(self, *args, **kwargs):
+            calls[0] += 1
+            combined_x, combined_w, event = _combine(self, *args, **kwargs)
+            return (combined_x if calls[0] <= 3 else combined_x + 1), combined_w, event
+
+        deep_ep.buffer.Buffer.combine = combine
+
+        if __name__ == "__main__":
+            from deep_ep.bench import main
+            sys.exit(main(sys.argv[1:]))
+    """))
+    proc = _bench("--mode", "normal", "--json", script=str(script))
+    assert proc.returncode == 1, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "combine BF16: the outputs of the timed calls FAILED" in proc.stderr, proc.stderr
+
+
 def test_bench_fails_loudly_on_a_wrong_result(tmp_path):
     # The spawned ranks re-import the launching script, so this patch reaches every rank.
     script = tmp_path / "broken_combine.py"

@@ -12,6 +12,8 @@ import torch
 
 PREFIX = "[deep_ep.bench]"
 FP8_FACTOR = (1 + 4 / 128) / 2  # DeepEP: an FP8 byte plus one float32 scale per 128 values, vs. BF16
+NUM_INPUTS = 3   # the timed calls of an operation take turns over this many inputs (RankContext.time_pair)
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class VerificationError(AssertionError):
@@ -98,27 +100,36 @@ class RankContext:
         `kernel` (GPU): GPU busy time per call from torch.profiler (the union of the kernels' and copies'
           intervals, flushes excluded), the figure DeepEP's newer tests report;
         `isolated`: a barrier before each call, so it starts on an idle GPU and pays all its host time."""
-        return self._time([fn])[0]
+        return self._time([lambda _: fn()], 1, [None], "")[0]
 
-    def time_pair(self, fn: Callable[[], Any], baseline: Callable[[], Any]
+    def time_pair(self, name: str, fn: Callable[[int], Any], baseline: Callable[[int], Any], num_inputs: int,
+                  check: Callable[[int, Any], List[str]]
                   ) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
         """`time` of `fn` and of `baseline`, their calls interleaved (one of each in turn, the first of the two
-        alternating), so that the machine's drift during the run reaches both alike."""
-        ours, base = self._time([fn, baseline])
+        alternating), so that the machine's drift during the run reaches both alike. Each call gets the next
+        of `num_inputs` inputs (its index, the same for both in a turn), and `check(index, output)` verifies
+        what `fn` returned: after every timed call on the CPU (outside the timed span), after the last one of
+        each series on a GPU (where checking between calls would put work between calls timed back to back);
+        every rank raises VerificationError if any check failed."""
+        ours, base = self._time([fn, baseline], num_inputs, [check, None], name)
         return ours, base
 
-    def _time(self, fns: List[Callable[[], Any]]) -> List[Dict[str, List[float]]]:
-        for _ in range(self.plan["warmup"]):
+    def _time(self, fns: List[Callable[[int], Any]], num_inputs: int,
+              checks: List[Optional[Callable[[int, Any], List[str]]]], name: str) -> List[Dict[str, List[float]]]:
+        for call in range(self.plan["warmup"]):
             for fn in fns:
-                fn()
-        isolated = self._series(fns, barrier_each=True)
+                fn(call % num_inputs)
+        problems: List[str] = []
+        isolated = self._series(fns, num_inputs, checks, problems, barrier_each=True)
         self.barrier()
-        streamed = self._series(fns, barrier_each=False)
+        streamed = self._series(fns, num_inputs, checks, problems, barrier_each=False)
         self.barrier()
+        if any(checks):
+            self.verify(f"{name}: the outputs of the timed calls", problems[:5])
         times = [dict(streamed=s[0], isolated=i[0], host=s[1]) for s, i in zip(streamed, isolated)]
         if self.is_cuda:
             for fn, each in zip(fns, times):
-                each["kernel"], each["kernels"] = self._kernel_series(fn)
+                each["kernel"], each["kernels"] = self._kernel_series(lambda: fn(0))
                 self.barrier()
         return times
 
@@ -132,17 +143,22 @@ class RankContext:
         else:
             self._l2_flush.zero_()
 
-    def _series(self, fns: List[Callable[[], Any]], barrier_each: bool) -> List[Tuple[List[float], List[float]]]:
+    def _series(self, fns: List[Callable[[int], Any]], num_inputs: int,
+                checks: List[Optional[Callable[[int, Any], List[str]]]], problems: List[str], barrier_each: bool
+                ) -> List[Tuple[List[float], List[float]]]:
         """For each of `fns`: seconds of each of `iters` calls, events around each call (GPU) or the host clock
         (CPU), and the host seconds of each call; the functions take turns call by call, the first of them
-        rotating. Back to back (not `barrier_each`): one flush first, and one round more whose times are left
-        out (it may start behind the flush), as DeepEP's benchmark does."""
+        rotating, each call given the next input index. Back to back (not `barrier_each`): one flush first,
+        and one round more whose times are left out (it may start behind the flush), as DeepEP's benchmark
+        does. Appends what `checks` find to `problems` (see `time_pair`)."""
         host: List[List[float]] = [[] for _ in fns]
         events: List[list] = [[] for _ in fns]
+        last: List[Tuple[int, Any]] = [(0, None) for _ in fns]
         skip = int(not barrier_each)
         if self.is_cuda and not barrier_each:
             self._flush()
         for call in range(self.plan["iters"] + skip):
+            index = call % num_inputs
             for turn in range(len(fns)):
                 which = (call + turn) % len(fns)
                 if barrier_each:
@@ -151,13 +167,19 @@ class RankContext:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
                 t0 = time.perf_counter()
-                fns[which]()
+                out = fns[which](index)
                 host[which].append(time.perf_counter() - t0)
                 if self.is_cuda:
                     end.record()
                     events[which].append((start, end))
+                    last[which] = (index, out)
+                elif checks[which] is not None:
+                    problems += checks[which](index, out)
+                del out
         if self.is_cuda:
             self.sync()
+            problems += [p for check, (index, out) in zip(checks, last) if check is not None
+                         for p in check(index, out)]
         series = []
         for which in range(len(fns)):
             elapsed = host[which]
@@ -217,6 +239,17 @@ def random_routing(gen: torch.Generator, num_tokens: int, num_topk: int, num_exp
         topk_idx[-1] = -1
     topk_weights = torch.randn(num_tokens, num_topk, generator=gen).abs().float()
     return topk_idx.to(device), topk_weights.to(device)
+
+
+def same_output(got: Any, expected: Any) -> bool:
+    """Bit for bit equal: two tensors, or two tuples of them (FP8 rows and their scales)."""
+    if isinstance(expected, (tuple, list)):
+        return isinstance(got, (tuple, list)) and len(got) == len(expected) and \
+            all(same_output(g, e) for g, e in zip(got, expected))
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != expected.dtype:
+        return False
+    as_int = _INT_OF_SIZE[got.element_size()]
+    return torch.equal(got.contiguous().view(as_int), expected.contiguous().view(as_int))
 
 
 def median_us(times: Sequence[float]) -> float:

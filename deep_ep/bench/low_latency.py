@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .baseline import Baseline
-from .context import RankContext, calc_diff, random_routing, record
+from .context import NUM_INPUTS, RankContext, calc_diff, random_routing, record, same_output
 
 
 def bench_low_latency(ctx: RankContext, results: Dict[str, Any], info: Dict[str, Any]) -> None:
@@ -22,6 +22,8 @@ def bench_low_latency(ctx: RankContext, results: Dict[str, Any], info: Dict[str,
     gen = torch.Generator().manual_seed(plan["seed"] * 7919 + 104729 + rank)
     x = torch.randn(N, H, generator=gen).to(torch.bfloat16).to(device)
     topk_idx, topk_weights = random_routing(gen, N, K, E, device)
+    # the timed dispatches take turns over these inputs (one routing, other values)
+    xs = [x] + [torch.randn(N, H, generator=gen).to(torch.bfloat16).to(device) for _ in range(NUM_INPUTS - 1)]
     num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(N, H, R, E)
     buffer = Buffer(ctx.group, 0, num_rdma_bytes, low_latency_mode=True, num_qps_per_rank=max(1, E_loc),
                     explicitly_destroy=True, transport=plan["transport"], device=device)
@@ -29,7 +31,7 @@ def bench_low_latency(ctx: RankContext, results: Dict[str, Any], info: Dict[str,
     info["ll_transport"] = buffer.transport_name
 
     num_valid = int((topk_idx >= 0).sum())
-    all_x = ctx.all_gather(x)            # [R, N, H]
+    all_xs = [ctx.all_gather(v) for v in xs]   # [R, N, H] each
     all_idx = ctx.all_gather(topk_idx)   # [R, N, K]
     # expected (local expert, source rank, token) keys of this rank's received rows, sorted
     sources, tokens, slots = (all_idx >= rank * E_loc).logical_and(all_idx < (rank + 1) * E_loc).nonzero(as_tuple=True)
@@ -40,7 +42,12 @@ def bench_low_latency(ctx: RankContext, results: Dict[str, Any], info: Dict[str,
     combine_expected = x.float() * valid_weight
 
     def check_ll_dispatch(name: str, out, use_fp8: bool) -> torch.Tensor:
-        """Check a low-latency dispatch; return identity expert outputs (bf16 `[E_loc, R*N, H]`)."""
+        """Check a low-latency dispatch of `x`; return identity expert outputs (bf16 `[E_loc, R*N, H]`)."""
+        ctx.verify(name, ll_dispatch_problems(out, use_fp8, all_xs[0]))
+        return _identity_expert_outputs(out[0]) if use_fp8 else out[0]
+
+    def ll_dispatch_problems(out, use_fp8: bool, all_x: torch.Tensor) -> List[str]:
+        """What is wrong with a low-latency dispatch of the inputs whose every rank's rows are `all_x`."""
         recv_x, recv_count, handle, _, _ = out
         problems = []
         data = recv_x[0] if use_fp8 else recv_x
@@ -78,8 +85,7 @@ def bench_low_latency(ctx: RankContext, results: Dict[str, Any], info: Dict[str,
                                         f"(calc_diff of the dequantised rows {diff:.3g})")
                 elif not torch.equal(recv_x[valid_d], rows):
                     problems.append("BF16 rows differ from the source rows")
-        ctx.verify(name, problems)
-        return _identity_expert_outputs(recv_x) if use_fp8 else recv_x
+        return problems
 
     def check_ll_combine(name: str, combined: torch.Tensor, tolerance: float,
                          expected: Optional[torch.Tensor] = None) -> None:
@@ -101,8 +107,14 @@ def bench_low_latency(ctx: RankContext, results: Dict[str, Any], info: Dict[str,
     # ---- FP8 dispatch --------------------------------------------------------------------------------
     ctx.phase("low-latency: dispatch FP8 (+ baseline cast + permute + all_to_all_single + pack)")
 
-    def ll_dispatch(use_fp8: bool):
-        return buffer.low_latency_dispatch(x, topk_idx, N, E, use_fp8=use_fp8)
+    def ll_dispatch(use_fp8: bool, values: torch.Tensor = x):
+        return buffer.low_latency_dispatch(values, topk_idx, N, E, use_fp8=use_fp8)
+
+    def time_ll_dispatch(name: str, use_fp8: bool):
+        return ctx.time_pair(name, lambda i: ll_dispatch(use_fp8, xs[i]),
+                             lambda i: base.ll_dispatch(xs[i], topk_idx, E, N, use_fp8), NUM_INPUTS,
+                             lambda i, output: [f"input {i}: {p}" for p in ll_dispatch_problems(output, use_fp8,
+                                                                                                 all_xs[i])])
 
     def baseline_round_trip(name: str, use_fp8: bool, tolerance: float):
         """Run the baseline once and check it like ours (a failure here is a bench bug, not a library bug)."""
@@ -124,7 +136,7 @@ def bench_low_latency(ctx: RankContext, results: Dict[str, Any], info: Dict[str,
     check_ll_combine("LL combine of FP8-dispatched rows", combined, 9e-4)
     baseline_round_trip("baseline LL FP8 round trip", True, 9e-4)
     del out, expert_out, combined
-    ours, baseline = ctx.time_pair(lambda: ll_dispatch(True), lambda: base.ll_dispatch(x, topk_idx, E, N, True))
+    ours, baseline = time_ll_dispatch("LL dispatch FP8", True)
     record(results, "ll_dispatch_fp8", ours, ll_dispatch_bytes_fp8, baseline)
 
     # ---- BF16 dispatch -------------------------------------------------------------------------------
@@ -132,15 +144,24 @@ def bench_low_latency(ctx: RankContext, results: Dict[str, Any], info: Dict[str,
     out = ll_dispatch(False)
     expert_out, handle = check_ll_dispatch("LL dispatch BF16", out, False), out[2]
     base_out, base_state = baseline_round_trip("baseline LL BF16 round trip", False, 1e-5)
-    ours, baseline = ctx.time_pair(lambda: ll_dispatch(False), lambda: base.ll_dispatch(x, topk_idx, E, N, False))
+    expert_out = expert_out.clone()   # (a later dispatch may reuse the memory it received into)
+    ours, baseline = time_ll_dispatch("LL dispatch BF16", False)
     record(results, "ll_dispatch_bf16", ours, ll_bf16_bytes, baseline)
 
     # ---- combine -------------------------------------------------------------------------------------
     ctx.phase("low-latency: combine BF16 (+ baseline all_to_all_single back + weighted index_add)")
-    combined = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)[0]
+    combined = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)[0].clone()
     check_ll_combine("LL combine BF16", combined, 1e-5)
-    ours, baseline = ctx.time_pair(lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle),
-                                   lambda: base.ll_combine(base_out, topk_weights, base_state))
+    # the timed combines take turns over the expert outputs scaled by powers of two, which scale every product
+    # and sum exactly: each input's combine is the first one scaled, bit for bit
+    scales = [2.0 ** i for i in range(NUM_INPUTS)]
+    expert_outs = [expert_out * c for c in scales]
+    base_outs = [base_out * c for c in scales]
+    ours, baseline = ctx.time_pair(
+        "LL combine BF16", lambda i: buffer.low_latency_combine(expert_outs[i], topk_idx, topk_weights, handle),
+        lambda i: base.ll_combine(base_outs[i], topk_weights, base_state), NUM_INPUTS,
+        lambda i, output: [] if same_output(output[0], combined * scales[i]) else
+        [f"input {i}: combined rows differ from the first combine times {scales[i]:g}"])
     record(results, "ll_combine", ours, ll_bf16_bytes, baseline)
     del out, expert_out, handle, combined
     if device.type == "cuda" and buffer.transport_name == "nvlink":

@@ -7,7 +7,7 @@ from typing import Any, Dict
 import torch
 
 from .baseline import Baseline, copy_engine_peer_gbps
-from .context import FP8_FACTOR, RankContext, calc_diff, random_routing, record
+from .context import FP8_FACTOR, NUM_INPUTS, RankContext, calc_diff, random_routing, record, same_output
 
 
 def bench_normal(ctx: RankContext, results: Dict[str, Any], info: Dict[str, Any]) -> None:
@@ -22,8 +22,14 @@ def bench_normal(ctx: RankContext, results: Dict[str, Any], info: Dict[str, Any]
     gen = torch.Generator().manual_seed(plan["seed"] * 7919 + rank)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
     topk_idx, topk_weights = random_routing(gen, T, K, E, device)
-    data, scales = per_token_cast_to_fp8(x)
-    x_fp8 = (data, scales.T.contiguous().T)   # column-major scales, as DeepEP's test passes them
+    # the timed calls take turns over these inputs (one routing, other values)
+    xs = [x] + [torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device) for _ in range(NUM_INPUTS - 1)]
+
+    def as_fp8(values: torch.Tensor):
+        data, scales = per_token_cast_to_fp8(values)
+        return data, scales.T.contiguous().T   # column-major scales, as DeepEP's test passes them
+    xs_fp8 = [as_fp8(v) for v in xs]
+    x_fp8 = xs_fp8[0]
     if plan["num_sms"] is not None:
         Buffer.set_num_sms(plan["num_sms"])
     dispatch_config, combine_config = Buffer.get_dispatch_config(R), Buffer.get_combine_config(R)
@@ -111,9 +117,17 @@ def bench_normal(ctx: RankContext, results: Dict[str, Any], info: Dict[str, Any]
     base_state = baseline_out[3]
     check_dispatch("dispatch BF16", out, baseline_out)
     bf16_bytes = num_recv * H * 2
+    # what every input's dispatch receives: the baseline's rows (checked above against the routing for input 0)
+    expected_rows = [baseline_out[0]] + [base.dispatch([v], is_token_in_rank, base_state)[0][0] for v in xs[1:]]
+
+    def rows_are(expected, what: str):
+        """The check of a timed call: its first output is `expected[input]`, bit for bit."""
+        return lambda i, output: [] if same_output(output[0], expected[i]) else \
+            [f"input {i}: {what} differ from the baseline's"]
     ours, baseline = ctx.time_pair(
-        lambda: buffer.dispatch(x, **layout_kwargs),
-        lambda: base.dispatch_with_topk(x, topk_idx, topk_weights, is_token_in_rank, E_loc))
+        "dispatch BF16", lambda i: buffer.dispatch(xs[i], **layout_kwargs),
+        lambda i: base.dispatch_with_topk(xs[i], topk_idx, topk_weights, is_token_in_rank, E_loc), NUM_INPUTS,
+        rows_are(expected_rows, "received rows"))
     record(results, "dispatch_bf16", ours, bf16_bytes, baseline, rows_out * H * 2)
 
     # ---- FP8 dispatch --------------------------------------------------------------------------------
@@ -121,9 +135,11 @@ def bench_normal(ctx: RankContext, results: Dict[str, Any], info: Dict[str, Any]
     out_fp8 = buffer.dispatch(x_fp8, **layout_kwargs)
     check_dispatch("dispatch FP8", out_fp8,
                    base.dispatch_with_topk(x_fp8, topk_idx, topk_weights, is_token_in_rank, E_loc))
+    expected_fp8 = [tuple(base.dispatch(list(v), is_token_in_rank, base_state)[0]) for v in xs_fp8]
     ours, baseline = ctx.time_pair(
-        lambda: buffer.dispatch(x_fp8, **layout_kwargs),
-        lambda: base.dispatch_with_topk(x_fp8, topk_idx, topk_weights, is_token_in_rank, E_loc))
+        "dispatch FP8", lambda i: buffer.dispatch(xs_fp8[i], **layout_kwargs),
+        lambda i: base.dispatch_with_topk(xs_fp8[i], topk_idx, topk_weights, is_token_in_rank, E_loc), NUM_INPUTS,
+        rows_are(expected_fp8, "received FP8 rows or scales"))
     record(results, "dispatch_fp8", ours, int(bf16_bytes * FP8_FACTOR), baseline, int(rows_out * H * 2 * FP8_FACTOR))
 
     # ---- cached dispatch -----------------------------------------------------------------------------
@@ -135,8 +151,10 @@ def bench_normal(ctx: RankContext, results: Dict[str, Any], info: Dict[str, Any]
     elif not torch.equal(cached[0], recv_x):
         problems.append("cached dispatch rows differ from the first dispatch")
     ctx.verify("cached dispatch BF16", problems)
-    ours, baseline = ctx.time_pair(lambda: buffer.dispatch(x, handle=handle, config=dispatch_config),
-                                   lambda: base.dispatch([x], is_token_in_rank, base_state))
+    ours, baseline = ctx.time_pair(
+        "cached dispatch BF16", lambda i: buffer.dispatch(xs[i], handle=handle, config=dispatch_config),
+        lambda i: base.dispatch([xs[i]], is_token_in_rank, base_state), NUM_INPUTS,
+        rows_are(expected_rows, "received rows"))
     record(results, "dispatch_cached", ours, bf16_bytes, baseline, rows_out * H * 2)
     cached_fp8 = buffer.dispatch(x_fp8, handle=handle, config=dispatch_config)
     problems = []
@@ -144,36 +162,45 @@ def bench_normal(ctx: RankContext, results: Dict[str, Any], info: Dict[str, Any]
             and torch.equal(cached_fp8[0][1], out_fp8[0][1])):
         problems.append("cached FP8 dispatch rows / scales differ from the first FP8 dispatch")
     ctx.verify("cached dispatch FP8", problems)
-    ours, baseline = ctx.time_pair(lambda: buffer.dispatch(x_fp8, handle=handle, config=dispatch_config),
-                                   lambda: base.dispatch(list(x_fp8), is_token_in_rank, base_state))
+    ours, baseline = ctx.time_pair(
+        "cached dispatch FP8", lambda i: buffer.dispatch(xs_fp8[i], handle=handle, config=dispatch_config),
+        lambda i: base.dispatch(list(xs_fp8[i]), is_token_in_rank, base_state), NUM_INPUTS,
+        rows_are(expected_fp8, "received FP8 rows or scales"))
     record(results, "dispatch_cached_fp8", ours, int(bf16_bytes * FP8_FACTOR), baseline,
            int(rows_out * H * 2 * FP8_FACTOR))
-    del out_fp8, cached_fp8
+    del out_fp8, cached_fp8, expected_fp8
 
     # ---- combine -------------------------------------------------------------------------------------
     ctx.phase("normal: combine BF16 (+ baseline all_to_all_single back + index_add)")
-    combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=out[2], config=combine_config)
-    expected = x.float() * is_token_in_rank.sum(1, keepdim=True).float()
-    baseline_combined = base.combine(recv_x, base_state, T)
-    problems = []
-    if tuple(combined.shape) != (T, H) or combined.dtype != torch.bfloat16:
-        problems.append(f"combined_x is {tuple(combined.shape)} {combined.dtype}, expected ({T}, {H}) bfloat16")
-    else:
-        error = (combined.float() - expected).abs()
-        bound = expected.abs() * 2.0 ** -8  # one bf16 rounding of an exact fp32 sum
-        if torch.isnan(combined).any() or bool((error > bound).any()):
-            problems.append(f"combine(dispatch(x)) != x * number of destination ranks: max error "
-                            f"{float(error.max()):.3g}, calc_diff {calc_diff(combined, expected):.3g}")
-        masked_w = torch.where(topk_idx >= 0, topk_weights, torch.zeros_like(topk_weights))
-        if combined_w is None or not torch.equal(combined_w, masked_w):
-            problems.append("combined_topk_weights != the original weights (of the valid selections)")
-    if bool(((baseline_combined.float() - expected).abs() > expected.abs() * 2.0 ** -8).any()):
-        problems.append("baseline combine != x * number of destination ranks (bench bug)")
-    ctx.verify("combine BF16", problems)
-    ours, baseline = ctx.time_pair(lambda: buffer.combine(recv_x, handle, config=combine_config),
-                                   lambda: base.combine(recv_x, base_state, T))
+    destinations = is_token_in_rank.sum(1, keepdim=True).float()
+    expected_combined = []
+    for i, rows in enumerate(expected_rows):   # every input's rows, combined back: input * destination ranks
+        combined, combined_w, _ = buffer.combine(rows, handle, topk_weights=out[2], config=combine_config)
+        expected = xs[i].float() * destinations
+        baseline_combined = base.combine(rows, base_state, T)
+        problems = []
+        if tuple(combined.shape) != (T, H) or combined.dtype != torch.bfloat16:
+            problems.append(f"combined_x is {tuple(combined.shape)} {combined.dtype}, expected ({T}, {H}) bfloat16")
+        else:
+            error = (combined.float() - expected).abs()
+            bound = expected.abs() * 2.0 ** -8  # one bf16 rounding of an exact fp32 sum
+            if torch.isnan(combined).any() or bool((error > bound).any()):
+                problems.append(f"input {i}: combine(dispatch(x)) != x * number of destination ranks: max error "
+                                f"{float(error.max()):.3g}, calc_diff {calc_diff(combined, expected):.3g}")
+            masked_w = torch.where(topk_idx >= 0, topk_weights, torch.zeros_like(topk_weights))
+            if combined_w is None or not torch.equal(combined_w, masked_w):
+                problems.append("combined_topk_weights != the original weights (of the valid selections)")
+        if bool(((baseline_combined.float() - expected).abs() > expected.abs() * 2.0 ** -8).any()):
+            problems.append("baseline combine != x * number of destination ranks (bench bug)")
+        ctx.verify("combine BF16", problems)
+        expected_combined.append(combined)
+    ours, baseline = ctx.time_pair(
+        "combine BF16", lambda i: buffer.combine(expected_rows[i], handle, config=combine_config),
+        lambda i: base.combine(expected_rows[i], base_state, T), NUM_INPUTS,
+        lambda i, output: [] if same_output(output[0], expected_combined[i]) else
+        [f"input {i}: combined rows differ from the same input's first combine"])
     record(results, "combine", ours, bf16_bytes, baseline, rows_back * H * 2)
 
-    del out, recv_x, handle, cached, combined
+    del out, recv_x, handle, cached, combined, expected_rows, expected_combined
     ctx.barrier()
     buffer.destroy()
