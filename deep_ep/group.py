@@ -333,6 +333,9 @@ class Group:
         if not on_gpu and self.timed_cpu_waits:
             work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             return
+        if on_gpu and torch.cuda.is_current_stream_capturing():   # nothing runs until a replay: order only
+            work.wait()
+            return
         while not work.is_completed():
             if time.monotonic() > deadline:
                 raise _Expired()

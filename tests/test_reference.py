@@ -128,3 +128,67 @@ def test_cached_dispatch_and_combine_exchange_their_header_once_per_handle_and_s
 def test_low_latency_combine_exchanges_its_header_once_per_handle_and_shapes(pool):
     seed = base_seed()
     report_mismatches(seed, lambda: pool(2).run(run_low_latency_calls, seed))
+
+
+def _valid_slots(count: torch.Tensor, slots: int) -> torch.Tensor:
+    """[E_loc, slots] True where a slot holds a received row."""
+    return torch.arange(slots, device=count.device)[None, :] < count[:, None]
+
+
+def run_fixed_size_low_latency(ctx, seed: int) -> List[str]:
+    """The fixed-size low-latency exchange (what runs inside a CUDA graph capture) against the counted one: the
+    same outputs bit for bit, on uneven token counts (one rank with none), dropped selections (-1) and an
+    expert listed twice by one token, in BF16, FP8 and FP8 with UE8M0 scales, and their combines (with LogFMT)."""
+    from deep_ep import Buffer
+    N, H, K = 8, 256, 4
+    E = 4 * ctx.world_size
+    gen = generator(seed, "fixed-size low latency", ctx.rank)
+    hint = Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E)
+    buffer = Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=E // ctx.world_size,
+                    transport="reference")
+    transport = buffer._transport
+    problems: List[str] = []
+    for round_ in range(3):
+        num_tokens = 0 if (round_ == 1 and ctx.rank == 1) else int(torch.randint(1, N + 1, (1,), generator=gen))
+        x = (torch.randn(num_tokens, H, generator=gen) * 4).to(torch.bfloat16).to(ctx.device)
+        topk_idx = torch.rand(num_tokens, E, generator=gen).topk(K, dim=1).indices
+        topk_idx[torch.rand(num_tokens, K, generator=gen) < 0.2] = -1
+        if num_tokens and round_ == 2:
+            topk_idx[0, 1] = topk_idx[0, 0] = 0   # one token lists expert 0 twice: two rows
+        topk_idx = topk_idx.to(ctx.device)
+        weights = torch.rand(num_tokens, K, generator=gen).to(ctx.device)
+        use_fp8, ue8m0 = round_ > 0, round_ == 2
+        outputs = []
+        for fixed in (False, True):
+            transport.fixed_size_low_latency = fixed
+            recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, N, E, use_fp8=use_fp8,
+                                                                     round_scale=ue8m0, use_ue8m0=ue8m0)
+            outputs.append((recv_x, count, handle))
+        (eager_x, eager_count, eager_handle), (fixed_x, fixed_count, fixed_handle) = outputs
+        valid = _valid_slots(eager_count, eager_handle[0].shape[1])
+        where = f"rank {ctx.rank} round {round_}"
+        if not (torch.equal(eager_count, fixed_count) and torch.equal(eager_handle[1], fixed_handle[1])):
+            problems.append(f"{where}: recv_count / layout_range differ")
+            continue
+        if not torch.equal(eager_handle[0][valid], fixed_handle[0][valid]):
+            problems.append(f"{where}: src_info differs")
+        pairs = list(zip(eager_x, fixed_x)) if use_fp8 else [(eager_x, fixed_x)]
+        for a, b in pairs:
+            if not torch.equal(bits(a[valid]), bits(b[valid])):
+                problems.append(f"{where}: received rows or scales differ")
+        # (|values| < 1: LogFMT encodes them, rather than passing them as they are)
+        experts = (torch.randn(eager_handle[0].shape + (H,), generator=gen) / 8).to(torch.bfloat16).to(ctx.device)
+        for use_logfmt in (False, True):
+            combined = []
+            for fixed, handle in ((False, eager_handle), (True, fixed_handle)):
+                transport.fixed_size_low_latency = fixed
+                combined.append(buffer.low_latency_combine(experts, topk_idx, weights, handle,
+                                                           use_logfmt=use_logfmt)[0])
+            if not torch.equal(bits(combined[0]), bits(combined[1])):
+                problems.append(f"{where}: combine (use_logfmt={use_logfmt}) differs")
+    return problems
+
+
+def test_fixed_size_low_latency_matches_the_counted_exchange(pool):
+    seed = base_seed()
+    report_mismatches(seed, lambda: pool(3).run(run_fixed_size_low_latency, seed))

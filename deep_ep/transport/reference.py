@@ -61,7 +61,9 @@ import torch
 from ..checks import disagreement, dtype_code, too_many_rows_message
 from ..fp8 import logfmt_roundtrip, num_scale_groups, pack_ue8m0, per_token_cast_to_fp8
 from ..group import Group, Topology, rows_as_bytes, unmasked_ranks
+from ..streams import capturing
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
+from .reference_fixed_size import FixedSizeLowLatency
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
@@ -182,6 +184,11 @@ class ReferenceTransport(Transport):
         self._call_number = 0
         self._routes: Dict[int, _Route] = {}   # Note [handle routes]: forgotten with the handle's tensor
         self._sent_selections: Dict[int, _Selections] = {}   # Note [returned in sent order], by src_info
+        # low-latency calls as fixed-size exchanges (reference_fixed_size.py): inside a CUDA graph capture, which
+        # NCCL groups allow, and wherever this is set (every rank alike)
+        self._fixed_size = FixedSizeLowLatency(group, topology.rank, topology.num_ranks)
+        self.fixed_size_low_latency = False
+        self.low_latency_graph_capturable = device.type == "cuda" and group.cuda_native
 
     def _route_of(self, handle) -> _Route:
         """The route of a handle: kept from its dispatch, else rebuilt from the handle (host reads)."""
@@ -618,8 +625,19 @@ class ReferenceTransport(Transport):
         self.group.mask_absent(what, mask)
         return mask.clone(), counted, _now_ns() - started
 
+    def _as_fixed_size(self, what: str, mask: Optional[torch.Tensor]) -> bool:
+        """Whether a low-latency call runs as a fixed-size exchange (reference_fixed_size.py)."""
+        if not (self.fixed_size_low_latency or capturing(self.device)):
+            return False
+        if mask is not None:
+            raise RuntimeError(f"{what}: with enable_shrink the reference transport cannot run inside a CUDA graph "
+                               "capture (finding the ranks that stopped calling waits on the host)")
+        return True
+
     def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, options, mask, wait_stats, half,
                              hook, check_values=None):
+        if self._as_fixed_size("low_latency_dispatch", mask):   # (ids out of range: no selection, no host check)
+            return self._fixed_size.dispatch(x, topk_idx, num_max_tokens, num_experts, options)
         mask, counted, roll_call_ns = self._roll_call("low_latency_dispatch", mask)
         topo = self.topology
         ranks = unmasked_ranks(mask, topo.rank)   # masked ranks take no part: they may no longer call
@@ -712,6 +730,11 @@ class ReferenceTransport(Transport):
 
     def low_latency_combine(self, x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, use_logfmt,
                             mask, out, wait_stats, half, hook, check_values=None):
+        if self._fixed_size.knows(src_info):   # (its dispatch ran so, and refused a shrink mask)
+            return self._fixed_size.combine(x, topk_idx, topk_weights, src_info, use_logfmt, out)
+        if capturing(self.device):
+            raise RuntimeError("low_latency_combine: inside a CUDA graph capture the reference transport needs the "
+                               "handle of a dispatch made inside a capture too (or with fixed_size_low_latency set)")
         mask, counted, roll_call_ns = self._roll_call("low_latency_combine", mask)
         topo = self.topology
         ranks = unmasked_ranks(mask, topo.rank)

@@ -1,0 +1,147 @@
+"""The reference transport's low-latency calls as fixed-size exchanges: no host wait, so they can be captured
+in a CUDA graph (on an NCCL group) and replayed with new inputs.
+
+Protocol (every size follows from the call's shapes and `num_max_dispatch_tokens_per_rank` N, never from the
+routing):
+  dispatch: every rank all-gathers N rows of [its tokens' data | FP8 scales | top-k ids] (rows past its
+    token count carry ids -1). Each rank keeps the (source, token, top-k slot) entries whose expert is one of
+    its own, in that order, and places them by expert exactly as the exchange of the counted rows does
+    (recv_x, recv_count, src_info, layout_range equal bit for bit); entries past an expert's R * N slots and
+    ids out of range are dropped (no host check can run here). It remembers, for each of its slots, the
+    (source, token, slot) entry it holds, under the handle's `src_info`.
+  combine: each rank sends each source rank a block of N * top-k rows, row (token, slot) holding its expert's
+    output for that selection where the expert is its own (other rows are never read), in one all-to-all of
+    equal blocks. The source takes each selection's row from the block of the rank that owns its expert and
+    sums them in ascending slot order, as the other path does, so the results are equal bit for bit.
+A combine runs this way when its handle's dispatch did; shapes are not compared between ranks (that needs the
+host), so every rank must make the same calls, as inside a capture anyway.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Dict, NamedTuple, Tuple
+
+import torch
+
+from ..fp8 import logfmt_roundtrip, num_scale_groups, pack_ue8m0, per_token_cast_to_fp8
+from ..group import Group, rows_as_bytes
+from .base import LowLatencyDispatchOutput
+
+
+class _Received(NamedTuple):
+    """What a fixed-size dispatch placed in each slot: the flat (source, token, top-k slot) index of the entry
+    it holds (a slot row per entry of `[E_loc * R * N]`, then one unused; R * N * top-k where empty)."""
+    entry_of_slot: torch.Tensor
+    num_max_tokens: int
+    topk: int
+
+
+class FixedSizeLowLatency:
+    """Low-latency dispatch and combine of the reference transport without host waits."""
+
+    def __init__(self, group: Group, rank: int, num_ranks: int) -> None:
+        self.group, self.rank, self.num_ranks = group, rank, num_ranks
+        self._received: Dict[int, _Received] = {}   # by the handle's src_info, forgotten with it
+
+    def knows(self, src_info: torch.Tensor) -> bool:
+        """Whether `src_info` is the handle of a dispatch made here (its combine then runs here too)."""
+        return id(src_info) in self._received
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
+                 options) -> Tuple[LowLatencyDispatchOutput, Callable[[], None]]:
+        R, N, rank = self.num_ranks, num_max_tokens, self.rank
+        num_tokens, hidden = x.shape
+        experts_per_rank, topk, dev = num_experts // R, topk_idx.shape[1], x.device
+        slots = R * N
+        parts = list(per_token_cast_to_fp8(x, round_scale=options.round_scale)) if options.use_fp8 else [x]
+        ids = torch.full((N, topk), -1, dtype=torch.int64, device=dev)
+        ids[:num_tokens] = topk_idx
+        columns = [rows_as_bytes(part.contiguous()) for part in parts] + [rows_as_bytes(ids)]
+        rows = torch.zeros((N, sum(c.shape[1] for c in columns)), dtype=torch.uint8, device=dev)
+        offset = 0
+        for column in columns:
+            rows[:num_tokens if column is not columns[-1] else N, offset:offset + column.shape[1]] = column
+            offset += column.shape[1]
+        pending = self.group.start_all_gather(rows, "low_latency_dispatch (fixed-size exchange)")
+
+        words = -(-num_scale_groups(hidden) // 4) if options.use_ue8m0 else num_scale_groups(hidden)
+        data_dtype = torch.float8_e4m3fn if options.use_fp8 else torch.bfloat16
+        placed = torch.empty((experts_per_rank * slots + 1, hidden), dtype=data_dtype, device=dev)
+        recv_x = placed[:-1].view(experts_per_rank, slots, hidden)   # (the last row takes the dropped entries)
+        recv_scales = None
+        if options.use_fp8:
+            recv_scales = torch.empty((experts_per_rank, words, slots), dtype=torch.int32 if options.use_ue8m0
+                                      else torch.float32, device=dev).transpose(1, 2)
+        recv_count = torch.empty(experts_per_rank, dtype=torch.int32, device=dev)
+        layout_range = torch.empty((experts_per_rank, R), dtype=torch.int64, device=dev)
+        src_info = torch.empty((experts_per_rank, slots), dtype=torch.int32, device=dev)
+        output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
+        entry_of_slot = torch.empty(experts_per_rank * slots + 1, dtype=torch.int64, device=dev)
+        self._received[id(src_info)] = _Received(entry_of_slot, N, topk)
+        weakref.finalize(src_info, self._received.pop, id(src_info), None)
+
+        def receive() -> None:
+            gathered = pending.wait().view(R * N, -1)
+            data, *scales, every_ids = torch.split(gathered, [c.shape[1] for c in columns], dim=1)
+            local = every_ids.contiguous().view(torch.int64).view(-1) - rank * experts_per_rank
+            # one entry per (source, token, top-k slot), in that order; entries of other ranks' experts go last
+            expert = torch.where((local >= 0) & (local < experts_per_rank), local, experts_per_rank)
+            entry = torch.arange(expert.numel(), device=dev)
+            key = expert * R + entry // (N * topk)                                    # (expert, source)
+            order = torch.sort(key, stable=True).indices
+            sorted_key = key[order]
+            first = torch.searchsorted(sorted_key, torch.arange((experts_per_rank + 1) * R + 1, device=dev))
+            per_expert_source = torch.diff(first).view(experts_per_rank + 1, R)[:experts_per_rank]
+            position = torch.empty_like(expert)
+            position[order] = entry - first[(sorted_key // R) * R]                     # within the expert
+            kept = (expert < experts_per_rank) & (position < slots)
+            slot = torch.where(kept, expert * slots + position, experts_per_rank * slots)
+            token_row = entry // topk                                                  # source * N + token
+            placed[slot] = data.contiguous().view(data_dtype).view(R * N, hidden)[token_row]
+            entry_of_slot.fill_(R * N * topk)
+            entry_of_slot[slot] = torch.where(kept, entry, R * N * topk)
+            source_token = torch.empty(experts_per_rank * slots + 1, dtype=torch.int32, device=dev)
+            source_token[slot] = (token_row % N).to(torch.int32)
+            src_info.copy_(source_token[:-1].view(experts_per_rank, slots))
+            if options.use_fp8:
+                raw = scales[0].contiguous().view(torch.float32).view(R * N, -1)[token_row]
+                if options.use_ue8m0:
+                    raw = pack_ue8m0(raw)
+                scale_rows = torch.empty((experts_per_rank * slots + 1, raw.shape[1]), dtype=raw.dtype, device=dev)
+                scale_rows[slot] = raw
+                recv_scales.copy_(scale_rows[:-1].view(experts_per_rank, slots, -1))
+            counts = per_expert_source.clamp(max=slots)
+            begin = torch.cumsum(counts, 1) - counts
+            recv_count.copy_(counts.sum(1).clamp(max=slots).to(torch.int32))
+            layout_range.copy_((begin << 32) | counts)
+        return output, receive
+
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
+                use_logfmt: bool, out: torch.Tensor) -> Callable[[], None]:
+        R, rank = self.num_ranks, self.rank
+        received = self._received[id(src_info)]
+        N, topk = received.num_max_tokens, received.topk
+        experts_per_rank, slots, hidden = x.shape
+        blocks = x.new_empty((R * N * topk + 1, hidden))   # rows this rank holds no selection for are not read
+        blocks[received.entry_of_slot[:-1]] = x.reshape(-1, hidden)
+        blocks = blocks[:-1]
+        if use_logfmt:
+            blocks = logfmt_roundtrip(blocks)
+        back = torch.empty_like(blocks)
+        pending = self.group.all_to_all(back, blocks, None, None, "low_latency_combine (fixed-size exchange)")
+        num_tokens = topk_idx.shape[0]
+
+        def receive() -> None:
+            values = pending.wait()
+            valid = topk_idx >= 0
+            owner = (topk_idx // experts_per_rank).clamp(0, R - 1)
+            token = torch.arange(num_tokens, device=x.device)[:, None]
+            slot = torch.arange(topk, device=x.device)[None, :]
+            row = (owner * N + token) * topk + slot
+            rows = torch.where(valid[:, :, None], values[row.view(-1)].view(num_tokens, topk, hidden), 0)
+            weights = torch.where(valid, topk_weights.float(), 0.0)
+            accumulator = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
+            for k in range(topk):   # fixed order: ascending top-k slot, as the other path sums
+                accumulator += rows[:, k].float() * weights[:, k, None]
+            out.copy_(accumulator.to(torch.bfloat16))
+        return receive
