@@ -1,11 +1,13 @@
 """The reference transport's exchanges per call: a call with a handle that repeats the handle's previous call
 of its operation exchanges no header (Note [checked once per handle] in deep_ep/transport/reference.py), and
-what it returns does not depend on whether it did. Results themselves are compared with the models in test_normal.py and
-test_low_latency.py."""
+what it returns does not depend on whether it did; the low-latency calls as fixed-size exchanges
+(reference_fixed_size.py) give what the counted ones give, also replayed from a CUDA graph. Results themselves
+are compared with the models in test_normal.py and test_low_latency.py."""
 from __future__ import annotations
 
 from typing import Callable, Dict, List
 
+import pytest
 import torch
 
 from compare import report_mismatches
@@ -192,3 +194,61 @@ def run_fixed_size_low_latency(ctx, seed: int) -> List[str]:
 def test_fixed_size_low_latency_matches_the_counted_exchange(pool):
     seed = base_seed()
     report_mismatches(seed, lambda: pool(3).run(run_fixed_size_low_latency, seed))
+
+
+def run_low_latency_graph(ctx, seed: int) -> List[str]:
+    """One rank of an NCCL group: low-latency dispatch and combine captured in one CUDA graph, replayed with
+    new inputs (new values and routing in the same tensors), give what eager calls give for those inputs."""
+    from deep_ep import Buffer
+    N, H, K, E = 16, 256, 4, 8
+    gen = generator(seed, "low-latency graph", ctx.rank)
+    hint = Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E)
+    buffer = Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=E // ctx.world_size,
+                    transport="reference")
+    if not buffer._transport.low_latency_graph_capturable:
+        return [f"rank {ctx.rank}: the reference transport on this group says it cannot be captured"]
+
+    def new_inputs():
+        x = (torch.randn(N, H, generator=gen) / 8).to(torch.bfloat16)
+        topk_idx = torch.rand(N, E, generator=gen).topk(K, dim=1).indices
+        topk_idx[torch.rand(N, K, generator=gen) < 0.2] = -1
+        return x.to(ctx.device), topk_idx.to(ctx.device), torch.rand(N, K, generator=gen).to(ctx.device)
+
+    x, topk_idx, weights = new_inputs()
+    out = torch.empty((N, H), dtype=torch.bfloat16, device=ctx.device)
+
+    def step():
+        recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, N, E, use_fp8=False)
+        buffer.low_latency_combine(recv_x, topk_idx, weights, handle, out=out)
+        return recv_x, count, handle
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_x, captured_count, captured_handle = step()
+    problems: List[str] = []
+    for replay in range(3):
+        for static, fresh in zip((x, topk_idx, weights), new_inputs()):
+            static.copy_(fresh)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+        recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, N, E, use_fp8=False)
+        eager = buffer.low_latency_combine(recv_x, topk_idx, weights, handle)[0]
+        valid = _valid_slots(count, handle[0].shape[1])
+        where = f"rank {ctx.rank} replay {replay}"
+        if not (torch.equal(count, captured_count) and torch.equal(handle[1], captured_handle[1])):
+            problems.append(f"{where}: recv_count / layout_range differ from an eager dispatch's")
+        elif not (torch.equal(bits(recv_x[valid]), bits(captured_x[valid]))
+                  and torch.equal(handle[0][valid], captured_handle[0][valid])):
+            problems.append(f"{where}: received rows or src_info differ from an eager dispatch's")
+        if not torch.equal(bits(replayed), bits(eager)):
+            problems.append(f"{where}: the replayed combine differs from an eager one")
+    return problems
+
+
+@pytest.mark.gpu
+def test_low_latency_replays_from_a_cuda_graph_on_an_nccl_group(pool):
+    seed = base_seed()
+    report_mismatches(seed, lambda: pool(1).run(run_low_latency_graph, seed))
