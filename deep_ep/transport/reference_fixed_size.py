@@ -10,8 +10,8 @@ routing):
     ids out of range are dropped (no host check can run here). It remembers, for each of its slots, the
     (source, token, slot) entry it holds, under the handle's `src_info`.
   combine: each rank sends each source rank a block of N * top-k rows, row (token, slot) holding its expert's
-    output for that selection where the expert is its own (other rows are never read), in one all-to-all of
-    equal blocks. The source takes each selection's row from the block of the rank that owns its expert and
+    output for that selection where the expert is its own (other rows are never read, whatever they hold), in
+    one all-to-all of equal blocks. The source takes each selection's row from the block of the rank that owns its expert and
     sums them in ascending slot order, as the other path does, so the results are equal bit for bit.
 A combine runs this way when its handle's dispatch did; shapes are not compared between ranks (that needs the
 host), so every rank must make the same calls, as inside a capture anyway.
@@ -29,9 +29,9 @@ from .base import LowLatencyDispatchOutput
 
 
 class _Received(NamedTuple):
-    """What a fixed-size dispatch placed in each slot: the flat (source, token, top-k slot) index of the entry
-    it holds (a slot row per entry of `[E_loc * R * N]`, then one unused; R * N * top-k where empty)."""
-    entry_of_slot: torch.Tensor
+    """Where a fixed-size dispatch placed each (source, token, top-k slot) entry: its row of recv_x viewed as
+    `[E_loc * R * N, H]` (0 for entries of other ranks' experts, whose rows are never read)."""
+    slot_of_entry: torch.Tensor
     num_max_tokens: int
     topk: int
 
@@ -76,8 +76,8 @@ class FixedSizeLowLatency:
         layout_range = torch.empty((experts_per_rank, R), dtype=torch.int64, device=dev)
         src_info = torch.empty((experts_per_rank, slots), dtype=torch.int32, device=dev)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
-        entry_of_slot = torch.empty(experts_per_rank * slots + 1, dtype=torch.int64, device=dev)
-        self._received[id(src_info)] = _Received(entry_of_slot, N, topk)
+        slot_of_entry = torch.empty(R * N * topk, dtype=torch.int64, device=dev)
+        self._received[id(src_info)] = _Received(slot_of_entry, N, topk)
         weakref.finalize(src_info, self._received.pop, id(src_info), None)
 
         def receive() -> None:
@@ -98,8 +98,7 @@ class FixedSizeLowLatency:
             slot = torch.where(kept, expert * slots + position, experts_per_rank * slots)
             token_row = entry // topk                                                  # source * N + token
             placed[slot] = data.contiguous().view(data_dtype).view(R * N, hidden)[token_row]
-            entry_of_slot.fill_(R * N * topk)
-            entry_of_slot[slot] = torch.where(kept, entry, R * N * topk)
+            slot_of_entry.copy_(torch.where(kept, slot, 0))
             source_token = torch.empty(experts_per_rank * slots + 1, dtype=torch.int32, device=dev)
             source_token[slot] = (token_row % N).to(torch.int32)
             src_info.copy_(source_token[:-1].view(experts_per_rank, slots))
@@ -122,9 +121,7 @@ class FixedSizeLowLatency:
         received = self._received[id(src_info)]
         N, topk = received.num_max_tokens, received.topk
         experts_per_rank, slots, hidden = x.shape
-        blocks = x.new_empty((R * N * topk + 1, hidden))   # rows this rank holds no selection for are not read
-        blocks[received.entry_of_slot[:-1]] = x.reshape(-1, hidden)
-        blocks = blocks[:-1]
+        blocks = x.reshape(-1, hidden).index_select(0, received.slot_of_entry)
         if use_logfmt:
             blocks = logfmt_roundtrip(blocks)
         back = torch.empty_like(blocks)
