@@ -122,12 +122,12 @@ def run_low_latency_calls(ctx, seed: int) -> List[str]:
     return problems
 
 
-def test_cached_dispatch_and_combine_exchange_their_header_once_per_handle_and_shapes(pool):
+def test_a_repeated_cached_dispatch_or_combine_exchanges_no_header(pool):
     seed = base_seed()
     report_mismatches(seed, lambda: pool(2).run(run_normal_calls, seed))
 
 
-def test_low_latency_combine_exchanges_its_header_once_per_handle_and_shapes(pool):
+def test_a_repeated_low_latency_combine_exchanges_no_header(pool):
     seed = base_seed()
     report_mismatches(seed, lambda: pool(2).run(run_low_latency_calls, seed))
 
