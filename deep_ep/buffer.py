@@ -765,7 +765,8 @@ class Buffer:
 
             # Note [hooks hold no Buffer]
             device = self.device
-            hook = ReceiveHook(complete, name, None if self._transport.low_latency_graph_capturable else (
+            capturable = self._transport.low_latency_receive_capturable(not ordered and device.type == "cuda")
+            hook = ReceiveHook(complete, name, None if capturable else (
                 lambda: _refuse_capture(device, f"the receive hook of {name}", _LOW_LATENCY_HOST_WAIT)))
             self._slots.hold(half, hook)
             return out, EventOverlap(None), hook

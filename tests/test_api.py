@@ -1116,7 +1116,8 @@ def run_capture_refusals(ctx, transport: str) -> Dict[str, str]:
     """Each call that waits on the host, inside a capture: its error message ("no error" if none). After the
     refusals the Buffer still works (nothing was queued or exchanged). The reference transport waits on the host
     in every call; the NVLink one only in a non-cached dispatch without num_worst_tokens, a change of num_sms,
-    clean_low_latency_buffer and destroy."""
+    clean_low_latency_buffer and destroy. On an NCCL group the reference transport's low-latency dispatch is
+    captured too (its receive hook and combine of an earlier call are refused)."""
     n, hidden, experts = 8, 256, 4
     buf = Buffer(ctx.group, 1 << 24, Buffer.get_low_latency_rdma_size_hint(n, hidden, 2, experts),
                  low_latency_mode=True, num_qps_per_rank=2, transport=transport, explicitly_destroy=True,
@@ -1153,10 +1154,14 @@ def run_capture_refusals(ctx, transport: str) -> Dict[str, str]:
     }
     if ctx.device.type == "cuda":
         calls["Buffer"] = lambda: Buffer(ctx.group, 1 << 24, 0, transport=transport)
-    if transport == "nvlink":   # these would be captured: leave them out
-        for name in ("dispatch with num_worst_tokens", "get_dispatch_layout", "combine", "low_latency_dispatch",
-                     "low_latency_combine", "receive hook"):
-            del calls[name]
+    captured = []   # these would be captured: leave them out
+    if transport == "nvlink":
+        captured = ["dispatch with num_worst_tokens", "get_dispatch_layout", "combine", "low_latency_dispatch",
+                    "low_latency_combine", "receive hook"]
+    elif buf._transport.low_latency_graph_capturable:   # (on an NCCL group: a fixed-size exchange)
+        captured = ["low_latency_dispatch"]
+    for name in captured:
+        del calls[name]
     out: Dict[str, str] = {}
     for name, call in calls.items():
         try:

@@ -87,6 +87,11 @@ class Transport(ABC):
         """The CUDA device index (-1 on the CPU)."""
         return self.device.index if self.device.type == "cuda" and self.device.index is not None else -1
 
+    def low_latency_receive_capturable(self, launched_in_capture: bool) -> bool:
+        """Whether the receive hook of a low-latency call (launched inside a CUDA graph capture or not) may run
+        inside a capture."""
+        return self.low_latency_graph_capturable
+
     def capture_host_wait(self, num_channels: int) -> Optional[str]:
         """Why a normal-mode call with `num_channels` would wait on the host even without a count to wait for
         (inside a CUDA graph capture the Buffer refuses it with this), or None."""

@@ -625,6 +625,10 @@ class ReferenceTransport(Transport):
         self.group.mask_absent(what, mask)
         return mask.clone(), counted, _now_ns() - started
 
+    def low_latency_receive_capturable(self, launched_in_capture: bool) -> bool:
+        # a counted exchange's receive waits on the host: only calls made as fixed-size exchanges
+        return self.low_latency_graph_capturable and (launched_in_capture or self.fixed_size_low_latency)
+
     def _as_fixed_size(self, what: str, mask: Optional[torch.Tensor]) -> bool:
         """Whether a low-latency call runs as a fixed-size exchange (reference_fixed_size.py)."""
         if not (self.fixed_size_low_latency or capturing(self.device)):
@@ -733,8 +737,9 @@ class ReferenceTransport(Transport):
         if self._fixed_size.knows(src_info):   # (its dispatch ran so, and refused a shrink mask)
             return self._fixed_size.combine(x, topk_idx, topk_weights, src_info, use_logfmt, out)
         if capturing(self.device):
-            raise RuntimeError("low_latency_combine: inside a CUDA graph capture the reference transport needs the "
-                               "handle of a dispatch made inside a capture too (or with fixed_size_low_latency set)")
+            raise RuntimeError("low_latency_combine cannot run inside a CUDA graph capture: its handle comes from a "
+                               "low-latency dispatch made outside one, whose exchange waits on the host; capture "
+                               "the dispatch too")
         mask, counted, roll_call_ns = self._roll_call("low_latency_combine", mask)
         topo = self.topology
         ranks = unmasked_ranks(mask, topo.rank)
