@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from compare import report_mismatches
+from dist_utils import run_under_defaults
 from randomness import base_seed, bits, generator
 
 
@@ -194,6 +195,13 @@ def run_fixed_size_low_latency(ctx, seed: int) -> List[str]:
 def test_fixed_size_low_latency_matches_the_counted_exchange(pool):
     seed = base_seed()
     report_mismatches(seed, lambda: pool(3).run(run_fixed_size_low_latency, seed))
+
+
+def test_fixed_size_low_latency_under_a_default_device_and_dtype(pool):
+    """As above on 2 ranks, every Buffer call under a default device (meta) and dtype (bfloat16) that the
+    library must not use (dist_utils.run_under_defaults)."""
+    seed = base_seed()
+    report_mismatches(seed, lambda: pool(2).run(run_under_defaults, run_fixed_size_low_latency, seed))
 
 
 def run_low_latency_graph(ctx, seed: int) -> List[str]:
