@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from compare import report_mismatches
-from dist_utils import run_under_defaults
+from dist_utils import run_deterministic, run_under_defaults
 from randomness import base_seed, bits, generator
 
 
@@ -195,6 +195,13 @@ def run_fixed_size_low_latency(ctx, seed: int) -> List[str]:
 def test_fixed_size_low_latency_matches_the_counted_exchange(pool):
     seed = base_seed()
     report_mismatches(seed, lambda: pool(3).run(run_fixed_size_low_latency, seed))
+
+
+def test_fixed_size_low_latency_in_deterministic_mode(pool):
+    """As above on 2 ranks with torch's deterministic algorithms on and new tensors filled with NaN / the
+    largest integer (the exchange may rely on no value of memory it did not write)."""
+    seed = base_seed()
+    report_mismatches(seed, lambda: pool(2).run(run_deterministic, run_fixed_size_low_latency, seed))
 
 
 def test_fixed_size_low_latency_under_a_default_device_and_dtype(pool):
