@@ -143,7 +143,7 @@ def run_fixed_size_low_latency(ctx, seed: int) -> List[str]:
     same outputs bit for bit, on uneven token counts (one rank with none), dropped selections (-1) and an
     expert listed twice by one token, in BF16, FP8 and FP8 with UE8M0 scales, and their combines (with LogFMT)."""
     from deep_ep import Buffer
-    N, H, K = 8, 256, 4
+    N, H, K = 8, 384, 4   # (3 scale groups: a row of FP8 data, scales and ids is not a multiple of 8 bytes)
     E = 4 * ctx.world_size
     gen = generator(seed, "fixed-size low latency", ctx.rank)
     hint = Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E)

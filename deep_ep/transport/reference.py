@@ -53,17 +53,18 @@ handle without one (made by another Buffer) gets it rebuilt from its tensors.
 from __future__ import annotations
 
 import itertools
-import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ..checks import disagreement, dtype_code, too_many_rows_message
-from ..fp8 import logfmt_roundtrip, num_scale_groups, pack_ue8m0, per_token_cast_to_fp8
+from ..fp8 import logfmt_roundtrip, pack_ue8m0, per_token_cast_to_fp8
 from ..group import Group, Topology, rows_as_bytes, unmasked_ranks
 from ..streams import capturing
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 from .reference_fixed_size import FixedSizeLowLatency
+from .reference_rows import (exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers, remember,
+                             side_by_side)
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
@@ -116,10 +117,6 @@ def dispatch_fields(x, x_scales, topk_idx, num_channels: int, **more: int) -> Di
                 num_scales=-1 if x_scales is None else x_scales.shape[1],
                 scales_dtype=0 if x_scales is None else dtype_code(x_scales.dtype),
                 topk=-1 if topk_idx is None else topk_idx.shape[1], num_channels=num_channels, **more)
-
-
-def _exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    return torch.cumsum(t, dim=dim) - t
 
 
 def _channel_counts(mask: torch.Tensor, num_channels: int) -> torch.Tensor:
@@ -196,14 +193,8 @@ class ReferenceTransport(Transport):
         route = self._routes.get(id(received_rows))
         if route is None:
             route = _route(is_token_in_rank, self._recv_per_source(handle))
-            self._remember(self._routes, received_rows, route)
+            remember(self._routes, received_rows, route)
         return route
-
-    @staticmethod
-    def _remember(table: Dict[int, object], key: torch.Tensor, value: object) -> None:
-        """Keep `value` in `table` under `key` for as long as `key` lives."""
-        table[id(key)] = value
-        weakref.finalize(key, table.pop, id(key), None)
 
     # ---- agreement --------------------------------------------------------------------------------
     def _start_agreement(self, op: str, fields: Dict[str, int], extra: Sequence[int] = (),
@@ -398,7 +389,7 @@ class ReferenceTransport(Transport):
         recv_src_idx[:num_recv] = recv["token"].to(dev)
         send_head = _positions(is_token_in_rank)
         channel_prefix = torch.cumsum(channel_counts, dim=1).to(torch.int32)
-        recv_channel_prefix = _exclusive_cumsum(recv_channel_counts, dim=1).to(torch.int32)
+        recv_channel_prefix = exclusive_cumsum(recv_channel_counts, dim=1).to(torch.int32)
         if not topo.is_internode:
             out.handle = (rank_prefix_matrix.to(dev), channel_prefix, recv_channel_prefix.to(dev),
                           recv_src_idx, is_token_in_rank, send_head)
@@ -407,7 +398,7 @@ class ReferenceTransport(Transport):
                                                 recv_channel_counts, rank_prefix_matrix, recv, num_recv, num_rows,
                                                 is_token_in_rank, experts_per_rank, num_channels,
                                                 worst_rows=num_worst_tokens)
-        self._remember(self._routes, _routing(out.handle, topo.is_internode)[1], route)
+        remember(self._routes, _routing(out.handle, topo.is_internode)[1], route)
         out.num_recv_tokens_per_expert_list = [] if num_worst_tokens else aligned.tolist()
         return out
 
@@ -485,8 +476,8 @@ class ReferenceTransport(Transport):
         recv_node_channel_counts = received[same_local, column:column + num_channels]       # [nodes, C]
         recv_rdma_channel_prefix = torch.cumsum(recv_node_channel_counts, dim=1).to(torch.int32)
         recv_rdma_rank_prefix_sum = torch.cumsum(recv_node_channel_counts.sum(1), dim=0).to(torch.int32)
-        rank_start = _exclusive_cumsum(recv_channel_counts.sum(1))
-        recv_gbl_channel_prefix = (rank_start[:, None] + _exclusive_cumsum(recv_channel_counts, dim=1)).to(torch.int32)
+        rank_start = exclusive_cumsum(recv_channel_counts.sum(1))
+        recv_gbl_channel_prefix = (rank_start[:, None] + exclusive_cumsum(recv_channel_counts, dim=1)).to(torch.int32)
         recv_gbl_rank_prefix_sum = rank_prefix_matrix[:, topo.rank].contiguous()
         meta = torch.zeros((num_rows, 2), dtype=torch.int32, device="cpu")
         source = _segment_ids(recv_channel_counts.sum(1).tolist())                        # of each received row
@@ -671,22 +662,14 @@ class ReferenceTransport(Transport):
             parts = list(per_token_cast_to_fp8(x, round_scale=options.round_scale))
         beside = [token.to(torch.int32)[:, None], (expert % experts_per_rank).to(torch.int32)[:, None]]
         row_layout = [(part.dtype, part.shape[1]) for part in parts] + [(torch.int32, 1)] * len(beside)
-        rows_to_send = _gather_side_by_side(parts, token, beside)
+        rows_to_send = gather_side_by_side(parts, token, beside)
         recv_splits = agreed()[:, topo.rank].tolist()
         pending = self._exchange_rows(rows_to_send, send_splits, recv_splits, "low_latency_dispatch (data exchange)",
                                       ranks)
 
         slots = num_ranks * num_max_tokens
         dev = x.device
-        if options.use_fp8:
-            recv_x = torch.empty((experts_per_rank, slots, hidden), dtype=torch.float8_e4m3fn, device=dev)
-            groups = num_scale_groups(hidden)
-            words = -(-groups // 4) if options.use_ue8m0 else groups
-            recv_scales = torch.empty((experts_per_rank, words, slots), dtype=torch.int32 if options.use_ue8m0
-                                      else torch.float32, device=dev).transpose(1, 2)
-        else:
-            recv_x = torch.empty((experts_per_rank, slots, hidden), dtype=torch.bfloat16, device=dev)
-            recv_scales = None
+        _, recv_x, recv_scales = low_latency_receive_buffers(experts_per_rank, slots, hidden, options, dev)
         # filled by the receive, as the GPU transports' kernels fill them
         recv_count = torch.zeros(experts_per_rank, dtype=torch.int32, device=dev)
         layout_range = torch.zeros((experts_per_rank, num_ranks), dtype=torch.int64, device=dev)
@@ -695,13 +678,13 @@ class ReferenceTransport(Transport):
         remembered = None
         if mask is None:
             remembered = _Selections(token, slot, expert, send_splits, self._call_number, [], [])
-            self._remember(self._sent_selections, src_info, remembered)
+            remember(self._sent_selections, src_info, remembered)
 
         def receive() -> None:
             started = _now_ns()
             received = pending.wait()
             waited = _now_ns() - started
-            data, *scales, token_index, local_expert = _side_by_side(received, row_layout)
+            data, *scales, token_index, local_expert = side_by_side(received, row_layout)
             source = _segment_ids(recv_splits)
             local_expert = local_expert.view(-1).long().cpu()
             if mask is not None:   # rows from masked sources are dropped
@@ -716,8 +699,8 @@ class ReferenceTransport(Transport):
             if len(over):   # checked once every exchange of the call is complete, so no peer is left waiting
                 raise ValueError(too_many_rows_message(topo.rank, int(over[0]), "checked on arrival; nothing was "
                                                        "received"))
-            begin = _exclusive_cumsum(counts, dim=0)                                         # [R, E_loc]
-            group_start = _exclusive_cumsum(counts.flatten())
+            begin = exclusive_cumsum(counts, dim=0)                                         # [R, E_loc]
+            group_start = exclusive_cumsum(counts.flatten())
             position = begin[source, local_expert] + torch.arange(group.numel(), device="cpu") - group_start[group]
             e, p = local_expert.to(dev), position.to(dev)
             if remembered is not None:   # in the order a combine returns them: by source, expert, slot
@@ -826,7 +809,7 @@ def _rows_to_return(layout_range: torch.Tensor, slots: int) -> Tuple[torch.Tenso
     begins = (layout_range >> 32).cpu()
     flat_counts = counts.t().flatten()                                                # [R * E_loc] source-major
     block = _segment_ids(flat_counts.tolist())
-    offset_in_block = torch.arange(block.numel(), device="cpu") - _exclusive_cumsum(flat_counts)[block]
+    offset_in_block = torch.arange(block.numel(), device="cpu") - exclusive_cumsum(flat_counts)[block]
     expert = torch.arange(experts_per_rank, device="cpu").repeat(num_ranks)[block]
     position = begins.t().flatten()[block] + offset_in_block
     return expert * slots + position, counts.sum(0).tolist()
@@ -862,34 +845,6 @@ def _split_from_blocks(received: torch.Tensor, recv_splits: Sequence[int], width
     rows = torch.cat(pieces[0::2])
     tails = torch.stack(pieces[1::2]).view(len(recv_splits), -1)[:, :width * 8]
     return rows, tails.contiguous().view(torch.int64).cpu()
-
-
-def _gather_side_by_side(parts: List[torch.Tensor], index: torch.Tensor, beside: Sequence[torch.Tensor] = ()
-                         ) -> torch.Tensor:
-    """Rows `index` of each of `parts` (2-D, as many rows each), then `beside` (2-D, a row per index), side by
-    side as bytes in one uint8 tensor of `len(index)` rows (Note [one row exchange])."""
-    gathered = [rows_as_bytes(part.contiguous()) for part in parts]
-    as_is = [rows_as_bytes(column.contiguous()) for column in beside]
-    packed = torch.empty((index.numel(), sum(c.shape[1] for c in gathered + as_is)), dtype=torch.uint8,
-                         device=parts[0].device)
-    offset = 0
-    for column in gathered:
-        torch.index_select(column, 0, index, out=packed[:, offset:offset + column.shape[1]])
-        offset += column.shape[1]
-    for column in as_is:
-        packed[:, offset:offset + column.shape[1]] = column
-        offset += column.shape[1]
-    return packed
-
-
-def _side_by_side(packed: torch.Tensor, layout: List[Tuple[torch.dtype, int]]) -> List[torch.Tensor]:
-    """The parts of rows packed by `_gather_side_by_side`, as views of the given (dtype, columns)."""
-    parts, offset = [], 0
-    for dtype, columns in layout:
-        nbytes = columns * dtype.itemsize
-        parts.append(packed[:, offset:offset + nbytes].view(dtype))
-        offset += nbytes
-    return parts
 
 
 _NOT_SENT = ("low_latency_combine: topk_idx names an expert that the matching low_latency_dispatch did not send "

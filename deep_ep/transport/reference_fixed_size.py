@@ -18,14 +18,14 @@ host), so every rank must make the same calls, as inside a capture anyway.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Dict, NamedTuple, Tuple
 
 import torch
 
-from ..fp8 import logfmt_roundtrip, num_scale_groups, pack_ue8m0, per_token_cast_to_fp8
-from ..group import Group, rows_as_bytes
+from ..fp8 import logfmt_roundtrip, pack_ue8m0, per_token_cast_to_fp8
+from ..group import Group
 from .base import LowLatencyDispatchOutput
+from .reference_rows import exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers, remember, side_by_side
 
 
 class _Received(NamedTuple):
@@ -54,36 +54,29 @@ class FixedSizeLowLatency:
         experts_per_rank, topk, dev = num_experts // R, topk_idx.shape[1], x.device
         slots = R * N
         parts = list(per_token_cast_to_fp8(x, round_scale=options.round_scale)) if options.use_fp8 else [x]
-        ids = torch.full((N, topk), -1, dtype=torch.int64, device=dev)
-        ids[:num_tokens] = topk_idx
-        columns = [rows_as_bytes(part.contiguous()) for part in parts] + [rows_as_bytes(ids)]
-        rows = torch.zeros((N, sum(c.shape[1] for c in columns)), dtype=torch.uint8, device=dev)
-        offset = 0
-        for column in columns:
-            rows[:num_tokens if column is not columns[-1] else N, offset:offset + column.shape[1]] = column
-            offset += column.shape[1]
+        # (ids as int32: a row's byte count is a multiple of 4, not always of 8)
+        layout = [(part.dtype, part.shape[1]) for part in parts] + [(torch.int32, topk)]
+        # rows past this rank's token count: all bytes 0xFF, so ids -1
+        rows = torch.full((N, sum(dtype.itemsize * columns for dtype, columns in layout)), 0xFF, dtype=torch.uint8,
+                          device=dev)
+        rows[:num_tokens] = gather_side_by_side(parts, torch.arange(num_tokens, device=dev),
+                                                [topk_idx.to(torch.int32)])
         pending = self.group.start_all_gather(rows, "low_latency_dispatch (fixed-size exchange)")
 
-        words = -(-num_scale_groups(hidden) // 4) if options.use_ue8m0 else num_scale_groups(hidden)
-        data_dtype = torch.float8_e4m3fn if options.use_fp8 else torch.bfloat16
-        placed = torch.empty((experts_per_rank * slots + 1, hidden), dtype=data_dtype, device=dev)
-        recv_x = placed[:-1].view(experts_per_rank, slots, hidden)   # (the last row takes the dropped entries)
-        recv_scales = None
-        if options.use_fp8:
-            recv_scales = torch.empty((experts_per_rank, words, slots), dtype=torch.int32 if options.use_ue8m0
-                                      else torch.float32, device=dev).transpose(1, 2)
+        # (the spare last row takes the dropped entries)
+        placed, recv_x, recv_scales = low_latency_receive_buffers(experts_per_rank, slots, hidden, options, dev,
+                                                                  spare_rows=1)
         recv_count = torch.empty(experts_per_rank, dtype=torch.int32, device=dev)
         layout_range = torch.empty((experts_per_rank, R), dtype=torch.int64, device=dev)
         src_info = torch.empty((experts_per_rank, slots), dtype=torch.int32, device=dev)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         slot_of_entry = torch.empty(R * N * topk, dtype=torch.int64, device=dev)
-        self._received[id(src_info)] = _Received(slot_of_entry, N, topk)
-        weakref.finalize(src_info, self._received.pop, id(src_info), None)
+        remember(self._received, src_info, _Received(slot_of_entry, N, topk))
 
         def receive() -> None:
             gathered = pending.wait().view(R * N, -1)
-            data, *scales, every_ids = torch.split(gathered, [c.shape[1] for c in columns], dim=1)
-            local = every_ids.contiguous().view(torch.int64).view(-1) - rank * experts_per_rank
+            data, *scales, every_ids = side_by_side(gathered, layout)
+            local = every_ids.reshape(-1).long() - rank * experts_per_rank
             # one entry per (source, token, top-k slot), in that order; entries of other ranks' experts go last
             expert = torch.where((local >= 0) & (local < experts_per_rank), local, experts_per_rank)
             entry = torch.arange(expert.numel(), device=dev)
@@ -97,20 +90,20 @@ class FixedSizeLowLatency:
             kept = (expert < experts_per_rank) & (position < slots)
             slot = torch.where(kept, expert * slots + position, experts_per_rank * slots)
             token_row = entry // topk                                                  # source * N + token
-            placed[slot] = data.contiguous().view(data_dtype).view(R * N, hidden)[token_row]
+            placed[slot] = data[token_row]
             slot_of_entry.copy_(torch.where(kept, slot, 0))
             source_token = torch.empty(experts_per_rank * slots + 1, dtype=torch.int32, device=dev)
             source_token[slot] = (token_row % N).to(torch.int32)
             src_info.copy_(source_token[:-1].view(experts_per_rank, slots))
             if options.use_fp8:
-                raw = scales[0].contiguous().view(torch.float32).view(R * N, -1)[token_row]
+                raw = scales[0][token_row]
                 if options.use_ue8m0:
                     raw = pack_ue8m0(raw)
                 scale_rows = torch.empty((experts_per_rank * slots + 1, raw.shape[1]), dtype=raw.dtype, device=dev)
                 scale_rows[slot] = raw
                 recv_scales.copy_(scale_rows[:-1].view(experts_per_rank, slots, -1))
             counts = per_expert_source.clamp(max=slots)
-            begin = torch.cumsum(counts, 1) - counts
+            begin = exclusive_cumsum(counts, dim=1)
             recv_count.copy_(counts.sum(1).clamp(max=slots).to(torch.int32))
             layout_range.copy_((begin << 32) | counts)
         return output, receive

@@ -1,0 +1,66 @@
+"""Pieces both of the reference transport's low-latency paths use (reference.py, reference_fixed_size.py): rows
+of several tensors side by side as bytes, the receive buffers, and tables of values kept for a tensor's life."""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..fp8 import num_scale_groups
+from ..group import rows_as_bytes
+
+
+def exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return torch.cumsum(t, dim=dim) - t
+
+
+def remember(table: Dict[int, object], key: torch.Tensor, value: object) -> None:
+    """Keep `value` in `table` under `key` for as long as `key` lives."""
+    table[id(key)] = value
+    weakref.finalize(key, table.pop, id(key), None)
+
+
+def gather_side_by_side(parts: List[torch.Tensor], index: torch.Tensor, beside: Sequence[torch.Tensor] = ()
+                        ) -> torch.Tensor:
+    """Rows `index` of each of `parts` (2-D, as many rows each), then `beside` (2-D, a row per index), side by
+    side as bytes in one uint8 tensor of `len(index)` rows."""
+    gathered = [rows_as_bytes(part.contiguous()) for part in parts]
+    as_is = [rows_as_bytes(column.contiguous()) for column in beside]
+    packed = torch.empty((index.numel(), sum(c.shape[1] for c in gathered + as_is)), dtype=torch.uint8,
+                         device=parts[0].device)
+    offset = 0
+    for column in gathered:
+        torch.index_select(column, 0, index, out=packed[:, offset:offset + column.shape[1]])
+        offset += column.shape[1]
+    for column in as_is:
+        packed[:, offset:offset + column.shape[1]] = column
+        offset += column.shape[1]
+    return packed
+
+
+def side_by_side(packed: torch.Tensor, layout: List[Tuple[torch.dtype, int]]) -> List[torch.Tensor]:
+    """The parts of rows packed by `gather_side_by_side`, as views of the given (dtype, columns)."""
+    parts, offset = [], 0
+    for dtype, columns in layout:
+        nbytes = columns * dtype.itemsize
+        parts.append(packed[:, offset:offset + nbytes].view(dtype))
+        offset += nbytes
+    return parts
+
+
+def low_latency_receive_buffers(experts_per_rank: int, slots: int, hidden: int, options, device: torch.device,
+                                spare_rows: int = 0) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """A low-latency dispatch's outputs to fill: rows `[E_loc * slots + spare_rows, H]` (FP8 or BF16), recv_x
+    (`[E_loc, slots, H]`, a view of the first rows) and the scales (`[E_loc, slots, words]`, column-major in
+    the last two dims; UE8M0 packs four to an int32) or None."""
+    rows = torch.empty((experts_per_rank * slots + spare_rows, hidden),
+                       dtype=torch.float8_e4m3fn if options.use_fp8 else torch.bfloat16, device=device)
+    recv_x = rows[:experts_per_rank * slots].view(experts_per_rank, slots, hidden)
+    if not options.use_fp8:
+        return rows, recv_x, None
+    groups = num_scale_groups(hidden)
+    words = -(-groups // 4) if options.use_ue8m0 else groups
+    recv_scales = torch.empty((experts_per_rank, words, slots), dtype=torch.int32 if options.use_ue8m0
+                              else torch.float32, device=device).transpose(1, 2)
+    return rows, recv_x, recv_scales
