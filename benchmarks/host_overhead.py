@@ -1,33 +1,57 @@
-"""Host cost of deep_ep calls: how long the host takes to enqueue one call, per operation (calls back to
-back; none of them waits for the GPU), and where that time goes (cProfile of rank 0).
+"""Host cost of eager deep_ep calls: how long the host takes to enqueue one call while the GPU is still busy
+with earlier work (so the host never waits for it), per operation and call flags; and, for a non-cached
+dispatch (whose host waits for the received counts), the GPU's idle gap between the end of the copy that
+brings the counts to the host and the start of the first dispatch kernel, read from a profiler trace.
 
-  python benchmarks/host_overhead.py [--calls 50] [--profile] [--breakdown] [--transport nvlink] [--ranks 2]
+  python benchmarks/host_overhead.py [--ranks 1 2 4] [--calls 200] [--transport nvlink] [--against TREE]
+                                     [--json FILE] [--breakdown] [--profile]
 
---breakdown times the layers of each call (the Buffer's checks, the comm-stream handling, the transport,
-its kernel launches) with a timer around each, which costs far less than cProfile's per-function hooks.
+Shapes: normal mode at the DeepSeek training shape (4096 tokens, hidden 7168, top-8, 256 experts),
+low-latency mode at the decode shape (128 tokens, hidden 7168, top-8, 288 experts). Ranks share the GPUs
+round-robin (a gloo group when they share one). Each timed call gets fresh inputs: one of five input sets,
+copied into one of three buffers before the call (outside the timed span), so a buffer holds new contents
+at every use; the outputs of the last calls are compared with those of untimed calls on the same inputs.
+Before every batch of calls a sleep kernel keeps the GPU busy for longer than the batch takes to enqueue.
+Figure: the median over the timed calls of rank 0's host time per call, in microseconds.
 
-Normal mode at the DeepSeek training shape (4096 tokens, hidden 7168, top-8, 256 experts) and low-latency
-mode at the decode shape (128 tokens, top-8, 288 experts), eager calls. A call's host time is hidden
-behind the GPU when it is shorter than the GPU time of the call before it; the benchmark's "isolated"
-column pays all of it. Ranks default to the GPUs (at most 2), one per GPU; with one GPU a single rank
-(every row stays local, which changes the GPU time, not the host's work per call).
+--against TREE runs every measurement also with the package in TREE (a directory holding `deep_ep`, e.g. an
+earlier commit's `git archive`), in the same process order, and prints the ratio this tree / TREE.
+--breakdown times the layers of each call with a timer around each (far cheaper than cProfile's hooks);
+--profile prints a cProfile of rank 0 for a few operations.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime
 import io
+import json
 import os
+import platform
 import pstats
 import socket
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# (owner, attribute) of the layers --breakdown times: each call's time includes the layers below it
+ROOT = Path(__file__).resolve().parent.parent
+T, H, K, E = 4096, 7168, 8, 256          # normal mode
+N, E_LL = 128, 288                       # low-latency mode
+INPUT_SETS, BUFFERS, BATCH = 5, 3, 50
+GAP_CALLS = 30
+# the issue's limits, us per call (None: no limit for that row)
+LIMITS = {"get_dispatch_layout": 25, "cached dispatch BF16": 30, "cached dispatch FP8": 30, "combine": 30,
+          "dispatch num_worst_tokens": 40, "low_latency_dispatch FP8": 25, "low_latency_dispatch BF16": 25,
+          "low_latency_combine": 25, "receive hook (dispatch)": None, "receive hook (combine)": None,
+          "non-cached dispatch: GPU idle after the counts": 40}
+# (owner, attributes) of the layers --breakdown times: each call's time includes the layers below it
 LAYERS = (("deep_ep.buffer:Buffer", ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch",
                                      "low_latency_combine")),
           ("deep_ep.streams:CommStream", ("run",)),
@@ -40,20 +64,22 @@ PROFILED = ("get_dispatch_layout", "cached dispatch BF16", "combine", "low_laten
 
 
 class _Layers:
-    """Wraps the functions of LAYERS with timers; `totals` maps 'owner.name' to (calls, ns)."""
+    """Wraps the functions of LAYERS that exist with timers; `totals` maps 'owner.name' to (calls, ns)."""
 
     def __init__(self) -> None:
         import importlib
-        self.totals = {}
+        self.totals: Dict[str, Any] = {}
         for owner, names in LAYERS:
             module, _, cls = owner.partition(":")
-            target = importlib.import_module(module)
-            target = getattr(target, cls) if cls else target
+            try:
+                target = getattr(importlib.import_module(module), cls)
+            except (ImportError, AttributeError):
+                continue
             for name in names:
-                setattr(target, name, self._timed(f"{cls or module.rsplit('.', 1)[-1]}.{name}",
-                                                  getattr(target, name)))
+                if hasattr(target, name):
+                    setattr(target, name, self._timed(f"{cls}.{name}", getattr(target, name)))
 
-    def _timed(self, label, fn):
+    def _timed(self, label: str, fn: Callable) -> Callable:
         totals = self.totals
 
         def timed(*args, **kwargs):
@@ -65,16 +91,164 @@ class _Layers:
                 totals[label] = (calls + 1, ns + time.perf_counter_ns() - start)
         return timed
 
-    def report(self, calls: int):
+    def report(self, calls: int) -> str:
         """'layer: us per operation call' for the layers that ran, then clear."""
         out = [f"{label} {ns / calls / 1e3:.1f} ({count / calls:g}x)" for label, (count, ns) in self.totals.items()]
         self.totals.clear()
         return "; ".join(out)
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
+class _Op:
+    """One timed operation. `call(inputs, kwargs)` is the Buffer call, returning what the Buffer returns;
+    `inputs[s]` is input set s, as the call takes it; `outputs(result)` gives the output tensors to compare,
+    once the call (and its receive hook) has completed."""
+
+    def __init__(self, name: str, call: Callable, inputs: List[Any], flags: List[str],
+                 outputs: Callable[[Any], List[torch.Tensor]], hook: Optional[str] = None) -> None:
+        self.name, self.call, self.inputs, self.flags, self.outputs, self.hook = name, call, inputs, flags, outputs, hook
+
+
+def _event_and_hook(result: Tuple[Any, ...]) -> Tuple[Any, Any]:
+    """The EventOverlap of a call's result (None if it has none or holds no event) and its receive hook."""
+    event = hook = None
+    for item in result:
+        if type(item).__name__ == "EventOverlap":
+            event = item if item.event is not None else None
+        elif callable(item) and not isinstance(item, torch.Tensor):
+            hook = item
+    return event, hook
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple):
+        return tuple(_clone(item) for item in value)
+    return value
+
+
+def _copy(dst: Any, src: Any) -> None:
+    for d, s in zip(_tensors(dst), _tensors(src)):
+        d.copy_(s)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.bool else t
+
+
+def _same(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b))
+
+
+def _flag_kwargs(flag: str) -> Dict[str, Any]:
+    import deep_ep
+    if flag == "sync":
+        return {}
+    if flag == "async_finish":
+        return dict(async_finish=True)
+    if flag == "return_recv_hook":
+        return dict(return_recv_hook=True)
+    kwargs: Dict[str, Any] = dict(previous_event=deep_ep.Buffer.capture(), async_finish=True)
+    if flag == "previous_event+allocate_on_comm_stream":
+        kwargs["allocate_on_comm_stream"] = True
+    return kwargs
+
+
+NORMAL_FLAGS = ["sync", "async_finish", "previous_event", "previous_event+allocate_on_comm_stream"]
+LL_FLAGS = ["sync", "async_finish", "return_recv_hook"]
+
+
+def _busy(seconds: float) -> None:
+    """Keep the current stream busy for about `seconds` (a sleep kernel; the clock taken as 2 GHz, an
+    over-estimate of the GPUs' clocks gives a shorter sleep, so the batches ask for plenty)."""
+    torch.cuda._sleep(int(seconds * 2e9))
+
+
+def _time_op(op: _Op, flag: str, calls: int) -> Dict[str, Any]:
+    """Median host time per call (this rank's), whether the outputs of the last calls equal those of untimed
+    calls on the same inputs, and for hook mode the hook's median host time."""
+    buffers = [_clone(op.inputs[0]) for _ in range(BUFFERS)]
+    expected = []
+    for s in range(INPUT_SETS):   # untimed calls: the outputs each input set gives
+        _copy(buffers[0], op.inputs[s])
+        result = op.call(buffers[0], {})
+        torch.cuda.synchronize()
+        expected.append([t.clone() for t in op.outputs(result)])
+    torch.cuda.synchronize()
+    times: List[int] = []
+    hook_times: List[int] = []
+    kept = []
+    events: List[Any] = [None] * BUFFERS   # the asynchronous call that last read each buffer
+    for start in range(0, calls, BATCH):
+        dist.barrier()
+        _busy(0.1)
+        for i in range(start, min(calls, start + BATCH)):
+            b = i % BUFFERS
+            if events[b] is not None:
+                events[b].current_stream_wait()   # (its call may still read the buffer)
+            _copy(buffers[b], op.inputs[i % INPUT_SETS])
+            kwargs = _flag_kwargs(flag)
+            begin = time.perf_counter_ns()
+            result = op.call(buffers[b], kwargs)
+            times.append(time.perf_counter_ns() - begin)
+            events[b], hook = _event_and_hook(result)
+            if hook is not None:
+                begin = time.perf_counter_ns()
+                hook()
+                hook_times.append(time.perf_counter_ns() - begin)
+            if i >= calls - INPUT_SETS:
+                kept.append((i % INPUT_SETS, result))
+        torch.cuda.synchronize()
+    checked = all(_same(op.outputs(result), expected[s]) for s, result in kept)
+    measured = dict(host_us=statistics.median(times) / 1e3, checked=checked)
+    if hook_times:
+        measured["hook_us"] = statistics.median(hook_times) / 1e3
+    return measured
+
+
+def _idle_gap(buffer: Any, x: torch.Tensor, layout: Dict[str, Any], rank: int) -> Optional[float]:
+    """Median GPU idle time between the end of the device-to-host copy of a non-cached dispatch's counts and
+    the start of the dispatch kernel after it, over GAP_CALLS calls (rank 0's trace)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(GAP_CALLS):
+            buffer.dispatch(x, **layout)
+        torch.cuda.synchronize()
+    if rank:
+        return None
+    path = f"/tmp/deep_ep_host_overhead_{os.getpid()}.json"
+    trace.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    os.unlink(path)
+    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")),
+                 key=lambda e: e["ts"])
+    gaps = []
+    for i, event in enumerate(gpu):
+        if event["cat"] == "gpu_memcpy" and "DtoH" in event["name"].replace("Device -> Pageable", "DtoH") \
+                .replace("Device -> Pinned", "DtoH"):
+            end = event["ts"] + event["dur"]
+            later = [e for e in gpu[i + 1:] if e["cat"] == "kernel" and "dispatch" in e["name"]]
+            if later:
+                gaps.append(later[0]["ts"] - end)
+    return statistics.median(gaps) if gaps else None
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, tree: Optional[str], queue: Any) -> None:
+    if tree:
+        sys.path.insert(0, tree)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    R = args.ranks
+    R = args.num_ranks
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     if R <= torch.cuda.device_count():
@@ -84,108 +258,184 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     import deep_ep
     from deep_ep.fp8 import per_token_cast_to_fp8
     layers = _Layers() if args.breakdown else None
-    T, H, K, E = 4096, 7168, 8, 256
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+    xs = [torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda() for _ in range(INPUT_SETS)]
     topk_idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(deep_ep.topk_idx_t).cuda()
+    idx_sets = [torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(deep_ep.topk_idx_t).cuda()
+                for _ in range(INPUT_SETS)]
     weights = torch.rand(T, K, generator=gen).cuda()
-    x_fp8 = per_token_cast_to_fp8(x)
     config = deep_ep.Buffer.get_dispatch_config(R)
     nvl_bytes = config.get_nvl_buffer_size_hint(H * 2, R)
     buffer = deep_ep.Buffer(dist.group.WORLD, nvl_bytes, 0, transport=args.transport, explicitly_destroy=True)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=topk_idx, topk_weights=weights)
-    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **layout)
-    worst = T * 2
-    ops = {
-        "get_dispatch_layout": lambda: buffer.get_dispatch_layout(topk_idx, E),
-        "cached dispatch BF16": lambda: buffer.dispatch(x, handle=handle),
-        "cached dispatch FP8": lambda: buffer.dispatch(x_fp8, handle=handle),
-        "combine": lambda: buffer.combine(recv_x, handle),
-        "dispatch num_worst_tokens": lambda: buffer.dispatch(x, num_worst_tokens=worst, **layout),
-    }
-    # low-latency mode: its own Buffer, decode shape
-    N, E_LL = 128, 288
+    recv_x, _, _, _, handle, _ = buffer.dispatch(xs[0], **layout)
+    recv_sets = [torch.randn(recv_x.shape, generator=gen).to(torch.bfloat16).cuda() for _ in range(INPUT_SETS)]
+    fp8_sets = [per_token_cast_to_fp8(x) for x in xs]
+
+    num_recv = recv_x.shape[0]
+
+    def normal_outputs(keep: Tuple[int, ...], rows: Optional[int] = None):
+        return lambda result: [t[:rows] if rows is not None else t for i in keep for t in _tensors(result[i])]
+
+    ops = [
+        _Op("get_dispatch_layout", lambda idx, kw: buffer.get_dispatch_layout(idx, E, **kw), idx_sets, NORMAL_FLAGS,
+            normal_outputs((0, 2, 3))),
+        _Op("cached dispatch BF16", lambda x, kw: buffer.dispatch(x, handle=handle, **kw), xs, NORMAL_FLAGS,
+            normal_outputs((0,))),
+        _Op("cached dispatch FP8", lambda x, kw: buffer.dispatch(x, handle=handle, **kw), fp8_sets, NORMAL_FLAGS,
+            normal_outputs((0,))),
+        _Op("combine", lambda x, kw: buffer.combine(x, handle, **kw), recv_sets, NORMAL_FLAGS, normal_outputs((0,))),
+        _Op("dispatch num_worst_tokens", lambda x, kw: buffer.dispatch(x, num_worst_tokens=T * R, **layout, **kw),
+            xs, NORMAL_FLAGS, normal_outputs((0, 1, 2), rows=num_recv)),
+    ]
     ll_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(N, H, R, E_LL)
     ll_buffer = deep_ep.Buffer(dist.group.WORLD, 0, ll_bytes, low_latency_mode=True, num_qps_per_rank=E_LL // R,
                                transport=args.transport, explicitly_destroy=True)
-    ll_x = x[:N].contiguous()
+    ll_xs = [x[:N].contiguous() for x in xs]
     ll_idx = torch.rand(N, E_LL, generator=gen).topk(K, dim=1).indices.to(deep_ep.topk_idx_t).cuda()
     ll_weights = weights[:N].contiguous()
-    ll_recv, _, ll_handle, _, _ = ll_buffer.low_latency_dispatch(ll_x, ll_idx, N, E_LL, use_fp8=False)
-    ll_out = torch.randn(ll_recv.shape, generator=gen).to(torch.bfloat16).cuda()
-    ops["low_latency_dispatch FP8"] = lambda: ll_buffer.low_latency_dispatch(ll_x, ll_idx, N, E_LL, use_fp8=True)
-    ops["low_latency_combine"] = lambda: ll_buffer.low_latency_combine(ll_out, ll_idx, ll_weights, ll_handle)
-    for fn in ops.values():
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    lines = [f"{R} rank(s), transport {buffer.transport_name}; {args.calls} calls back to back; host: time to enqueue "
-             "a call; events: median GPU time between events around each call (the benchmark's headline method)",
-             f"  {'operation':28s} {'host us':>8s} {'events us':>10s}"]
-    for name, fn in ops.items():
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            fn()
-        host_us = (time.perf_counter() - start) / args.calls * 1e6
-        torch.cuda.synchronize()
-        dist.barrier()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(args.calls)]
-        for begin, end in events:
-            begin.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        event_us = statistics.median(begin.elapsed_time(end) * 1e3 for begin, end in events)
-        lines.append(f"  {name:28s} {host_us:8.1f} {event_us:10.1f}")
-        if layers is not None:
-            layers.totals.clear()
-            dist.barrier()
-            for _ in range(args.calls):
-                fn()
-            lines.append(f"    layers, us per call: {layers.report(args.calls)}")
-            torch.cuda.synchronize()
-        if args.profile and name in PROFILED:
-            # every rank repeats the calls (their kernels wait for each other); rank 0 profiles them
-            dist.barrier()
-            profile = cProfile.Profile() if rank == 0 else None
-            if profile is not None:
-                profile.enable()
-            for _ in range(args.calls):
-                fn()
-            if profile is not None:
-                profile.disable()
-                text = io.StringIO()
-                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(22)
-                lines.append(f"--- cProfile of {name}, by own time ---")
-                lines.extend(line for line in text.getvalue().splitlines()[6:] if line.strip())
-            torch.cuda.synchronize()
-    if rank == 0:
-        print("\n".join(lines), flush=True)
+    ll_recv, _, ll_handle, _, _ = ll_buffer.low_latency_dispatch(ll_xs[0], ll_idx, N, E_LL, use_fp8=False)
+    ll_outs = [torch.randn(ll_recv.shape, generator=gen).to(torch.bfloat16).cuda() for _ in range(INPUT_SETS)]
+
+    def ll_dispatch_outputs(result):   # the received rows of each expert (the rest of its region is not written)
+        recv, counts = result[0], result[1].tolist()
+        return [t[e, :c] for t in _tensors(recv) for e, c in enumerate(counts)]
+
+    ops += [
+        _Op("low_latency_dispatch FP8", lambda x, kw: ll_buffer.low_latency_dispatch(x, ll_idx, N, E_LL, use_fp8=True,
+                                                                                     **kw),
+            ll_xs, LL_FLAGS, ll_dispatch_outputs, "dispatch"),
+        _Op("low_latency_dispatch BF16", lambda x, kw: ll_buffer.low_latency_dispatch(x, ll_idx, N, E_LL,
+                                                                                      use_fp8=False, **kw),
+            ll_xs, LL_FLAGS, ll_dispatch_outputs, "dispatch"),
+        _Op("low_latency_combine", lambda y, kw: ll_buffer.low_latency_combine(y, ll_idx, ll_weights, ll_handle,
+                                                                               **kw),
+            ll_outs, LL_FLAGS, lambda result: [result[0]], "combine")]
+    records = []
+    for op in ops:
+        for flag in op.flags:
+            measured = _time_op(op, flag, args.calls)
+            ok = torch.tensor([int(measured["checked"])])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            records.append(dict(operation=op.name, flags=flag, host_us=measured["host_us"], checked=bool(ok.item())))
+            if "hook_us" in measured:
+                records.append(dict(operation=f"receive hook ({op.hook})", flags=flag, host_us=measured["hook_us"],
+                                    checked=bool(ok.item())))
+            if layers is not None and flag == "sync":
+                layers.totals.clear()
+                dist.barrier()
+                _busy(0.1)
+                for _ in range(BATCH):
+                    op.call(op.inputs[0], {})
+                records[-1]["layers"] = layers.report(BATCH)
+                torch.cuda.synchronize()
+            if args.profile and flag == "sync" and op.name in PROFILED:
+                records[-1]["profile"] = _profile(op, rank)
+    gap = _idle_gap(buffer, xs[0], layout, rank)
+    records.append(dict(operation="non-cached dispatch: GPU idle after the counts", flags="sync", host_us=gap,
+                        checked=True))
     torch.cuda.synchronize()
     dist.barrier()
     buffer.destroy()
     ll_buffer.destroy()
     dist.destroy_process_group()
+    if rank == 0:
+        queue.put(dict(records=records, package=str(Path(deep_ep.__file__).parent)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--profile", action="store_true", help="also print a cProfile of rank 0")
-    parser.add_argument("--breakdown", action="store_true", help="also time the layers of each call (rank 0's)")
-    parser.add_argument("--transport", default="auto")
-    parser.add_argument("--ranks", type=int, default=min(2, torch.cuda.device_count()),
-                        help="processes (placed round-robin on the GPUs; gloo group when they share GPUs)")
-    args = parser.parse_args()
+def _profile(op: _Op, rank: int) -> str:
+    """A cProfile of rank 0's calls, by own time (every rank repeats the calls: their kernels wait for each
+    other)."""
+    dist.barrier()
+    _busy(0.1)
+    profile = cProfile.Profile() if rank == 0 else None
+    if profile is not None:
+        profile.enable()
+    for _ in range(BATCH):
+        op.call(op.inputs[0], {})
+    torch.cuda.synchronize()
+    if profile is None:
+        return ""
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(22)
+    return "\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip())
+
+
+def _measure(args: argparse.Namespace, ranks: int, tree: Optional[str]) -> Dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args, port), nprocs=args.ranks)
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    args.num_ranks = ranks
+    mp.spawn(_worker, args=(args, port, tree, queue), nprocs=ranks)
+    return queue.get()
+
+
+def _versions() -> Dict[str, str]:
+    import triton
+    return dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
+                gpu=torch.cuda.get_device_name(0))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200, help="timed calls per operation and flags")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1], help="rank counts (processes sharing the GPUs)")
+    parser.add_argument("--transport", default="nvlink")
+    parser.add_argument("--against", help="a directory holding an earlier `deep_ep` to time in the same run")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--breakdown", action="store_true", help="also time the layers of each call (rank 0's)")
+    parser.add_argument("--profile", action="store_true", help="also print a cProfile of rank 0")
+    args = parser.parse_args()
+    versions = _versions()
+    print(" ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
+    rows: List[Dict[str, Any]] = []
+    for ranks in args.ranks:
+        ours = _measure(args, ranks, None)
+        theirs = _measure(args, ranks, args.against) if args.against else None
+        for i, record in enumerate(ours["records"]):
+            row = dict(ranks=ranks, **{k: v for k, v in record.items() if k not in ("layers", "profile")})
+            if theirs is not None:
+                other = theirs["records"][i]
+                assert (other["operation"], other["flags"]) == (record["operation"], record["flags"])
+                row["against_us"] = other["host_us"]
+                row["against_checked"] = other["checked"]
+            rows.append(row)
+            for extra in ("layers", "profile"):
+                if record.get(extra):
+                    print(f"--- {extra}: {record['operation']} ({ranks} ranks) ---\n{record[extra]}")
+    failed = [r for r in rows if not r["checked"]]
+    print(f"\nhost time per eager call, us (median of {args.calls} calls, rank 0; GPU kept busy)"
+          + (f"; 'before': {args.against}" if args.against else ""))
+    head = f"{'ranks':>5s} {'operation':46s} {'flags':38s} {'us':>7s}"
+    print(head + (f" {'before':>7s} {'ratio':>6s}" if args.against else "") + f" {'limit':>6s}")
+    for r in rows:
+        line = f"{r['ranks']:5d} {r['operation']:46s} {r['flags']:38s} {_fmt(r['host_us'])}"
+        if args.against:
+            ratio = (r["host_us"] / r["against_us"]) if r["host_us"] and r["against_us"] else None
+            line += f" {_fmt(r['against_us'])} {'' if ratio is None else f'{ratio:6.2f}':>6s}"
+        limit = LIMITS.get(r["operation"])
+        print(line + f" {'' if limit is None else limit:>6}" + ("" if r["checked"] else "  OUTPUT MISMATCH"))
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True).stdout.strip()
+        args.json.write_text(json.dumps(dict(
+            figure="host time per eager call (median, rank 0, GPU kept busy), us; the idle-gap row: GPU idle us",
+            date=datetime.date.today().isoformat(), commit=commit, against=args.against, **versions,
+            command="python benchmarks/host_overhead.py " + " ".join(sys.argv[1:]), calls=args.calls,
+            records=rows), indent=1) + "\n")
+    if failed:
+        print(f"outputs differ from untimed calls on the same inputs: {len(failed)} row(s)")
+    return 1 if failed else 0
+
+
+def _fmt(value: Optional[float]) -> str:
+    return f"{value:7.1f}" if value is not None else f"{'-':>7s}"
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
