@@ -742,7 +742,8 @@ class Buffer:
 
         ordered = self.device.type == "cuda" and not capturing(self.device)
         if ordered:   # inside a CUDA-graph capture the captured order holds
-            self._order_after_last_receive(half, return_recv_hook)
+            self._order_after_last_receive(
+                half, return_recv_hook or self._comm_stream.runs_on_caller(None, async_finish))
         if return_recv_hook:
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if self._low_latency_async and ordered:
@@ -775,13 +776,14 @@ class Buffer:
         self._low_latency_async = async_finish
         return out, event, None
 
-    def _order_after_last_receive(self, half: int, return_recv_hook: bool) -> None:
+    def _order_after_last_receive(self, half: int, on_caller: bool) -> None:
         """The send of a low-latency call overwrites what the last call on its half received: if that receive
         was issued on another stream than this call's, the caller's stream (which the comm stream waits for)
-        waits for it. Calls without a hook run on the comm stream, in order; a hook runs on its call's stream."""
+        waits for it. A call runs on the caller's stream (`on_caller`: with a hook, whose receive runs there too,
+        or synchronously, Note [synchronous calls on the caller's stream]) or on the comm stream, in order."""
         comm = self._comm_stream
         current, current_stream = comm.caller()
-        issued_on = current if return_recv_hook else comm.stream_ids
+        issued_on = current if on_caller else comm.stream_ids
         previous = self._receive_streams[half]
         if previous is not None and previous not in (current, issued_on):
             current_stream.wait_stream(stream_of(previous))

@@ -8,6 +8,16 @@ for it) and the caller's stream waits for the call: a freed output's memory is t
 stream only, after the call's kernels. That holds for a synchronous call without `previous_event`, with
 PyTorch's native caching allocator (under cudaMallocAsync an allocation is itself work ordered on its stream)
 and while torch does not fill new memory (`fills_new_memory`). See also docs/DESIGN.md, "Streams".
+
+Note [synchronous calls on the caller's stream]: a synchronous call that runs after the caller's work (no
+`previous_event`), made while the Buffer's device is current and outside a CUDA-graph capture, runs on the
+caller's stream itself. Nothing can tell that from DeepEP's run on the comm stream followed by the caller's stream
+waiting for it, and it saves the events, stream switches and `record_stream` marks, most of a short call's
+stream handling. Allocations, torch's fills of new memory and frees are then all on the stream the kernels run on.
+The Buffer's calls still follow one another as on one stream: a call on another stream than the previous call's
+waits for it first (for the comm stream: its queued work; for a caller's stream: an event recorded there when the
+next call needs it, which also covers caller work queued after that call, a longer wait than DeepEP's, never a
+shorter one).
 """
 from __future__ import annotations
 
@@ -108,6 +118,11 @@ def capturing(device: torch.device) -> bool:
         return torch._C._cuda_isCurrentStreamCapturing()
 
 
+def _after_caller(previous_event: Optional[EventOverlap]) -> bool:
+    """Whether a call runs after the caller's stream's work so far (no `previous_event` holding a CUDA event)."""
+    return previous_event is None or previous_event.event is None or previous_event.event.is_host
+
+
 def stream_of(ids: Tuple[int, int, int]) -> "torch.cuda.Stream":
     """A Stream object for a stream's id triple (stream_id, device_index, device_type)."""
     return torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
@@ -128,6 +143,10 @@ class CommStream:
             self._call_done = torch.cuda.Event()
             self._caller: Tuple[Any, Optional[torch.cuda.Stream]] = (None, None)   # (stream id, Stream)
             self._native_allocator = torch.cuda.get_allocator_backend() == "native"
+            # Note [synchronous calls on the caller's stream]: the stream the last call ran on (None: the comm
+            # stream or nothing yet), and an event recorded there after it, re-recorded by each such call
+            self._last_on_caller: Optional[Tuple[Tuple[int, int, int], torch.cuda.Stream]] = None
+            self._caller_done = torch.cuda.Event()
 
     def caller(self) -> Tuple[Tuple[int, int, int], torch.cuda.Stream]:
         """The caller's stream on the Buffer's device: (its id triple, a Stream object for it)."""
@@ -156,6 +175,12 @@ class CommStream:
         those `fn` allocates through `allocate_outputs` (Note [outputs on the caller's stream])."""
         return without_autograd(lambda: self._run(fn, inputs, previous_event, async_finish, validate))
 
+    def runs_on_caller(self, previous_event: Optional[EventOverlap], async_finish: bool) -> bool:
+        """Whether a call with these arguments runs on the caller's stream instead of the comm stream (Note
+        [synchronous calls on the caller's stream])."""
+        return (self.stream is not None and not async_finish and _after_caller(previous_event)
+                and torch._C._cuda_getDevice() == self.device_index and not torch._C._cuda_isCurrentStreamCapturing())
+
     def _run(self, fn: Callable[[], Any], inputs: Tuple[Any, ...], previous_event: Optional[EventOverlap],
              async_finish: bool, validate: Optional[Callable[[], None]]) -> Tuple[Any, EventOverlap]:
         if self.stream is None:
@@ -164,12 +189,20 @@ class CommStream:
             result = fn()
             return result, EventOverlap(EventHandle.completed() if async_finish else None)
         compute_id, compute = self.caller()
-        after_caller = previous_event is None or previous_event.event is None or previous_event.event.is_host
+        if self.runs_on_caller(previous_event, async_finish):
+            return self._run_on_caller(fn, compute_id, compute, validate)
+        after_caller = _after_caller(previous_event)
         if after_caller:
             _record(self._caller_reached, compute)
             _wait(self._caller_reached, self.stream)
         else:
             _wait(previous_event.event.event, self.stream)
+        last = self._last_on_caller
+        if last is not None:
+            if not after_caller or last[0] != compute_id:   # (a wait for the caller's stream covers it)
+                _record(self._caller_done, last[1])
+                _wait(self._caller_done, self.stream)
+            self._last_on_caller = None
         caller_device = torch._C._cuda_getDevice()
         torch._C._cuda_setStream(*self.stream_ids)   # this also makes the Buffer's device current
         # Note [outputs on the caller's stream]
@@ -203,6 +236,21 @@ class CommStream:
             if tensor.is_cuda:
                 tensor.record_stream(self.stream)
         return result, EventOverlap(event, extra_tensors=tuple(flatten_tensors(inputs)) + tuple(outputs))
+
+    def _run_on_caller(self, fn: Callable[[], Any], compute_id: Tuple[int, int, int], compute: torch.cuda.Stream,
+                       validate: Optional[Callable[[], None]]) -> Tuple[Any, EventOverlap]:
+        """A synchronous call after the caller's work, run on the caller's stream."""
+        last = self._last_on_caller
+        if last is None:   # the comm stream may hold earlier asynchronous calls
+            _record(self._call_done, self.stream)
+            _wait(self._call_done, compute)
+        elif last[0] != compute_id:
+            _record(self._caller_done, last[1])
+            _wait(self._caller_done, compute)
+        self._last_on_caller = (compute_id, compute)
+        if validate is not None:
+            validate()
+        return fn(), EventOverlap(None)
 
     def _caller_waits(self, compute: torch.cuda.Stream) -> None:
         """The caller's stream waits for everything queued on the comm stream so far."""

@@ -11,14 +11,15 @@ from deep_ep.utils import EventHandle, EventOverlap
 
 
 def filled(comm: CommStream, n: int, value: float, on_caller: bool):
-    """A call's body: an output of n floats set to `value` on the comm stream, allocated through allocate_outputs
-    (`on_caller`) or not; checks that the comm stream is current again after the allocation."""
+    """A call's body: an output of n floats set to `value` on the stream the call runs on, allocated through
+    allocate_outputs (`on_caller`) or not; checks that the call's stream is current again after the allocation."""
     device = comm.stream.device
 
     def fn():
+        runs_on = torch.cuda.current_stream(device)
         out = allocate_outputs(lambda: torch.empty(n, device=device)) if on_caller else torch.empty(n, device=device)
+        assert torch.cuda.current_stream(device) == runs_on
         out.fill_(value)
-        assert torch.cuda.current_stream(device) == comm.stream
         return out
     return fn
 
@@ -66,24 +67,28 @@ def allocation_stream(tensor: torch.Tensor) -> int:
 
 @pytest.mark.gpu
 def test_synchronous_outputs_are_allocated_on_the_callers_stream():
-    """A synchronous call that waits for the caller's stream allocates its outputs there (allocate_outputs), as
-    DeepEP does, so they need no record_stream; an asynchronous call, one after `previous_event`, and tensors
-    allocated otherwise stay on the comm stream (marked as used by the caller's stream)."""
+    """A synchronous call that waits for the caller's stream runs there (Note [synchronous calls on the caller's
+    stream]), so its outputs are allocated there, as DeepEP allocates them, and need no record_stream; an
+    asynchronous call and one after `previous_event` run on the comm stream and allocate there (outputs marked as
+    used by the caller's stream)."""
     device = torch.device("cuda", torch.cuda.current_device())
     comm = CommStream(device)
     caller = torch.cuda.Stream(device)
     make = lambda: allocate_outputs(lambda: torch.empty(1 << 20, device=device))  # noqa: E731
     with torch.cuda.stream(caller):
         synchronous, _ = comm.run(make, (), None, False)
+        plain, _ = comm.run(lambda: torch.empty(1 << 20, device=device), (), None, False)
         asynchronous, event = comm.run(make, (), None, True)
         event.current_stream_wait()
         after_event, _ = comm.run(make, (), EventOverlap(EventHandle()), False)
-        plain, _ = comm.run(lambda: torch.empty(1 << 20, device=device), (), None, False)
         outside = make()
-    assert allocation_stream(synchronous) == caller.cuda_stream
-    assert allocation_stream(outside) == caller.cuda_stream
-    for tensor in (asynchronous, after_event, plain):
+        runs_on = [comm.run(lambda: torch.cuda.current_stream(device), (), previous, async_finish)[0]
+                   for previous, async_finish in ((None, False), (None, True), (EventOverlap(EventHandle()), False))]
+    for tensor in (synchronous, plain, outside):
+        assert allocation_stream(tensor) == caller.cuda_stream
+    for tensor in (asynchronous, after_event):
         assert allocation_stream(tensor) == comm.stream.cuda_stream
+    assert runs_on == [caller, comm.stream, comm.stream]
 
 
 def test_fills_new_memory_follows_torchs_settings():
@@ -96,20 +101,58 @@ def test_fills_new_memory_follows_torchs_settings():
 
 
 @pytest.mark.gpu
-def test_synchronous_outputs_stay_on_the_comm_stream_when_torch_fills_new_memory():
+@pytest.mark.parametrize("after_event", [False, True], ids=["synchronous", "after_previous_event"])
+def test_outputs_hold_what_the_call_wrote_when_torch_fills_new_memory(after_event):
     """Under deterministic algorithms torch fills every new tensor, with a kernel that the allocation queues on
-    the current stream; on the caller's stream that fill would not be ordered with the call's kernels and could
-    overwrite what they wrote. So a synchronous call then allocates its outputs on the comm stream, where the
-    fill comes before its kernels, and every output holds what the call wrote."""
+    the current stream: that fill must come before the call's kernels. A synchronous call runs on the caller's
+    stream, so its fill does; a call after `previous_event` allocates on the comm stream (allocate_outputs does
+    not move it to the caller's stream, where the fill would not be ordered with its kernels)."""
     device = torch.device("cuda", torch.cuda.current_device())
     comm = CommStream(device)
     caller = torch.cuda.Stream(device)
     with deterministic_algorithms(fill=True), torch.cuda.stream(caller):
-        outputs = [comm.run(filled(comm, 1 << 24, 3.0, True), (), None, False)[0] for _ in range(4)]
+        outputs = [comm.run(filled(comm, 1 << 24, 3.0, True), (), EventOverlap(EventHandle()) if after_event else None,
+                            False)[0] for _ in range(4)]
     torch.cuda.synchronize(device)
     for out in outputs:
-        assert allocation_stream(out) == comm.stream.cuda_stream
+        assert allocation_stream(out) == (comm.stream if after_event else caller).cuda_stream
         assert torch.equal(out, torch.full_like(out, 3.0))
+
+
+def late_write(target: torch.Tensor, value: float):
+    """A call's body: a long sleep on the stream it runs on, then `target` set to `value`."""
+    def fn():
+        torch.cuda._sleep(100_000_000)
+        target.fill_(value)
+    return fn
+
+
+def add_one(target: torch.Tensor):
+    return lambda: target.add_(1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["async_then_sync", "sync_on_two_streams", "sync_then_after_older_event",
+                                   "sync_then_async"])
+def test_calls_follow_one_another_whatever_stream_they_run_on(order):
+    """Calls of one Buffer follow one another as on DeepEP's single comm stream, though a synchronous call runs
+    on the caller's stream (Note [synchronous calls on the caller's stream]): the second call's work starts after
+    the first call's long-running work, whichever streams the two run on."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    comm = CommStream(device)
+    first_stream, second_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    target = torch.zeros(1 << 20, device=device)
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(first_stream):
+        older = EventOverlap(EventHandle())
+        comm.run(late_write(target, 1.0), (), None, order == "async_then_sync")
+    with torch.cuda.stream(first_stream if order != "sync_on_two_streams" else second_stream):
+        if order == "sync_then_after_older_event":
+            comm.run(add_one(target), (), older, False)
+        else:
+            comm.run(add_one(target), (), None, order == "sync_then_async")
+    torch.cuda.synchronize(device)
+    assert torch.equal(target, torch.full_like(target, 2.0))
 
 
 @pytest.mark.gpu
