@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple, TypeVar
 import torch
 import torch.utils.deterministic
 
-from .utils import EventHandle, EventOverlap
+from .utils import EventHandle, EventOverlap, event_method
 
 
 def flatten_tensors(values: Iterable[Any]) -> List[torch.Tensor]:
@@ -53,15 +53,8 @@ def _field_names(cls: type) -> Tuple[str, ...]:
     return tuple(field.name for field in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
 
 
-def _event_method(name: str) -> Callable[..., None]:
-    """The C function behind torch.cuda.Event.`name`, called as (event, stream), without the host time of its
-    Python wrapper. Builds without it (CPU-only builds define the class empty) get the wrapper, which takes the
-    same arguments."""
-    return getattr(getattr(torch._C, "_CudaEventBase", None), name, None) or getattr(torch.cuda.Event, name)
-
-
-_record = _event_method("record")
-_wait = _event_method("wait")
+_record = event_method("record")
+_wait = event_method("wait")
 
 
 class _OutputStreams(threading.local):

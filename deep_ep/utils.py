@@ -7,6 +7,16 @@ import torch
 import torch.distributed as dist
 
 
+def event_method(name: str) -> Any:
+    """The C function behind torch.cuda.Event.`name`, called as (event, stream), without the host time of its
+    Python wrapper. Builds without it (CPU-only builds define the class empty) get the wrapper, which takes the
+    same arguments."""
+    return getattr(getattr(torch._C, "_CudaEventBase", None), name, None) or getattr(torch.cuda.Event, name)
+
+
+_record_event = event_method("record")
+
+
 class EventHandle:
     """A point in a stream's work.
 
@@ -20,7 +30,7 @@ class EventHandle:
         if host or (stream is None and not torch.cuda.is_available()):
             return
         self.event = torch.cuda.Event()
-        self.event.record(stream if stream is not None else torch.cuda.current_stream())
+        _record_event(self.event, stream if stream is not None else torch.cuda.current_stream())
 
     @classmethod
     def completed(cls) -> "EventHandle":

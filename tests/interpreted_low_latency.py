@@ -142,7 +142,7 @@ def run_unwritten_route(seed: int = 0) -> List[str]:
     sources = make_sources(gen, R, N, H, K, E)
     outs = dispatch_all(ranks, sources, list(range(R)), N, E, MODES[0], [None] * R)
     full = int(outs[0].recv_count.argmax())   # an expert of rank 0 with rows: their route entries go negative
-    route = ranks[0]._routes[id(outs[0].src_info)][0]
+    route = ranks[0].routes.get(outs[0].src_info)[0]
     route[full * R * N:full * R * N + int(outs[0].recv_count[full])] = -5
     geometry = ranks[0].half_geometry(N, H, E, 1)
     kept = torch.ones(ranks[0].area.numel(), dtype=torch.bool)   # bytes the combine must leave alone

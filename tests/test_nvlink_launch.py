@@ -49,7 +49,7 @@ class _Recorder:
 
 @pytest.fixture
 def recorder(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     monkeypatch.setattr(launcher, "ENABLED", True)
     return _Recorder(_scaled_copy)

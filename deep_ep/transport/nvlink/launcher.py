@@ -158,7 +158,7 @@ def _launch(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[
             kwargs = {k: v.as_tensor() if isinstance(v, Pointer) else v for k, v in kwargs.items()}
         _through_triton(fn, grid, args, kwargs)   # (missing values: Triton fills in defaults or says what is wrong)
         return None
-    device = torch.cuda.current_device()
+    device = torch._C._cuda_getDevice()   # (torch.cuda.current_device() without its wrapper)
     key: List[Any] = [id(fn), device, *options.items()]
     append = key.append
     for position, (value, is_constexpr) in enumerate(zip(values, signature.constexpr)):
@@ -247,7 +247,7 @@ class Relaunch:
         if not ENABLED:
             return self._launch(grid, changed, None)
         packed = self.packed.copy()
-        device = torch.cuda.current_device()
+        device = torch._C._cuda_getDevice()
         spec: List[Any] = [device]
         append = spec.append
         for position, value in zip(self.positions, changed):

@@ -37,7 +37,6 @@ it; PDL (a test's switch) forces it on (sm_90 and later) or off.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -48,6 +47,7 @@ from ...group import Group, Topology
 from ...streams import allocate_outputs
 from ..base import LowLatencyDispatchOutput, LowLatencyOptions
 from . import settings
+from .kept import Keeper
 from .launcher import Pointer, Relaunch, launch_options, next_pow2
 
 NUM_SENDERS = 128         # send programs (the grid of every send and fused launch); the same on all ranks
@@ -160,8 +160,8 @@ class NVLinkLowLatency:
         # the send and receive launches' PDL constexpr and option (Note [PDL]; never the cooperative launch)
         self._chained = (dict(PDL=True, launch_pdl=True) if area.is_cuda and _chain_launches(area.device)
                          else dict(PDL=False))
-        # id(src_info) -> (route, top-k, the raw stream route was allocated on)
-        self._routes: Dict[int, Tuple[torch.Tensor, int, int]] = {}
+        # kept with each dispatch's src_info: (route, top-k, the raw stream route was allocated on)
+        self.routes = Keeper()
         self._plans: Dict[tuple, Any] = {}   # _DispatchPlan or _CombinePlan per call shape
         # stand-ins for pointer arguments that a launch never reads
         self._no_words = torch.zeros(4, dtype=torch.int32, device=area.device)
@@ -283,7 +283,7 @@ class NVLinkLowLatency:
                    self._no_words if recv_scales is None else Pointer(recv_scales, torch.int32), src_info,
                    layout_range, recv_count)   # (_DISPATCH_OUTPUTS)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
-        self._remember(src_info, route, topk)
+        self.routes.keep(src_info, (route, topk, self._raw_stream()))
         if not hook and plan.fused is not None and num_tokens <= FUSED_MAX_TOKENS:
             plan.fused(x, topk_idx, num_tokens, mask, route, *outputs)
             return output, _nothing
@@ -299,11 +299,6 @@ class NVLinkLowLatency:
         R = self.topology.num_ranks
         return self._view(geometry.arrived, 8 * R, torch.int64), self._view(geometry.received, 8, torch.int64)
 
-    def _remember(self, src_info: torch.Tensor, route: torch.Tensor, topk: int) -> None:
-        key = id(src_info)
-        self._routes[key] = (route, topk, self._raw_stream())
-        weakref.finalize(src_info, self._routes.pop, key, None)
-
     def _raw_stream(self) -> int:
         return torch._C._cuda_getCurrentRawStream(self.device.index) if self.area.is_cuda else 0
 
@@ -313,7 +308,7 @@ class NVLinkLowLatency:
                 out: torch.Tensor, wait_stats: Optional[torch.Tensor], half: int, hook: bool, check_values=None):
         experts_per_rank, _, hidden = x.shape   # (check_values is None, as in dispatch)
         num_tokens, topk = topk_idx.shape
-        known = self._routes.get(id(src_info))
+        known = self.routes.get(src_info)
         if known is None:
             raise ValueError("handle: pass the handle returned by a low_latency_dispatch of this Buffer (its "
                              "routes are kept with it)")

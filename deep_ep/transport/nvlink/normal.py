@@ -18,7 +18,6 @@ do not change from call to call once. The buffer's layout is header.py's.
 """
 from __future__ import annotations
 
-import weakref
 import zlib
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -32,6 +31,7 @@ from ..base import DispatchOutput
 from ..reference import dispatch_fields
 from . import settings
 from .header import CMAX, Header
+from .kept import Keeper
 from .launcher import Pointer, Relaunch, next_pow2
 from .status import StatusWords
 
@@ -140,7 +140,7 @@ class NVLinkNormal:
         self._no_ids = torch.zeros(1, dtype=torch.int64, device=device)   # topk_idx of a dispatch without one
         self._signatures: Dict[tuple, int] = {}   # _call_signature's results
         self._channels: Optional[int] = None
-        self._plans: Dict[int, Plan] = {}   # id(recv_src_idx of a handle) -> plan, forgotten with the handle
+        self._plans = Keeper()   # a handle's plan, kept with its recv_src_idx
         self._launches: Dict[tuple, Any] = {}   # per kernel and shape (_launch)
         self._geometries: Dict[tuple, DispatchGeometry] = {}
 
@@ -208,20 +208,15 @@ class NVLinkNormal:
         """Whether the current stream captures a CUDA graph (never on CPU memory: the interpreted tests)."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def _remember(self, recv_src_idx: torch.Tensor, plan: Plan) -> None:
-        key = id(recv_src_idx)
-        self._plans[key] = plan
-        weakref.finalize(recv_src_idx, self._plans.pop, key, None)
-
     def _plan(self, handle: tuple) -> Plan:
         """The plan of a handle: kept from its dispatch, else rebuilt from the handle's tensors (with one host
         wait for the largest shares, so that this rank picks the protocol its peers pick with the original
         handle; inside a CUDA-graph capture, which cannot wait, a rebuilt plan uses the rings)."""
         recv_src_idx = handle[3]
-        plan = self._plans.get(id(recv_src_idx))
+        plan = self._plans.get(recv_src_idx)
         if plan is None:
             plan = plan_from_handle(handle, self.topology.rank, read_shares=not self._capturing())
-            self._remember(recv_src_idx, plan)
+            self._plans.keep(recv_src_idx, plan)
         return plan
 
     # ---- layout ----------------------------------------------------------------------------------------
@@ -299,7 +294,7 @@ class NVLinkNormal:
         out.handle = (rank_prefix_matrix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
                       send_head)
         out.num_recv_tokens_per_expert_list = aligned_list
-        self._remember(recv_src_idx, plan)
+        self._plans.keep(recv_src_idx, plan)
         return out
 
     def _call_signature(self, call: Dict[str, int]) -> int:
