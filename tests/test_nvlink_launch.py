@@ -365,3 +365,32 @@ def test_launch_with_a_hook_goes_through_triton(device):
             runtime.launch_enter_hook = chain
     assert seen, "a profiler's launch hook was not called"
     assert torch.equal(dst, src)
+
+
+def test_a_direct_launch_passes_what_tritons_launcher_wrapper_passes(monkeypatch):
+    """`_direct` calls Triton's C launch without the Python wrapper (`compiled_kernel.run`) where that wrapper
+    only forwards: the C launch must get exactly the arguments the installed Triton's wrapper gives it (a new
+    Triton whose wrapper passes other arguments must fail here, not launch wrongly)."""
+    from triton.backends.nvidia.driver import CudaLauncher
+    monkeypatch.setattr(triton.runtime.driver, "_active", object(), raising=False)   # (no GPU driver needed)
+    received = []
+    wrapper = object.__new__(CudaLauncher)   # a compiled kernel's launcher, its C launch recorded
+    settings = dict(launch=lambda *args: received.append(args), global_scratch_size=0, global_scratch_align=1,
+                    profile_scratch_size=0, profile_scratch_align=1, num_ctas=1, launch_cooperative_grid=False,
+                    launch_pdl=True, gsan_enabled=False, arg_annotations=("annotations",), kernel_signature=b"sig")
+    for name, value in settings.items():
+        setattr(wrapper, name, value)
+
+    class Compiled:
+        run, function, packed_metadata = wrapper, 0xF00, (4, 1, 0)
+
+    args = (0x7000, 3, 2 ** 40, None)
+    wrapper(2, 1, 1, 1234, Compiled.function, Compiled.packed_metadata, None, None, None, *args)   # Triton's way
+    function, head, as_tuple = launcher._direct(Compiled)
+    assert function is wrapper.launch, "the wrapper forwards only, but _direct does not know its form"
+    function(2, 1, 1, 1234, *head, args) if as_tuple else function(2, 1, 1, 1234, *head, *args)
+    assert len(received) == 2 and received[1] == received[0]
+    # a wrapper with work to do (scratch memory) is called as it is
+    wrapper.global_scratch_size = 64
+    function, head, _ = launcher._direct(Compiled)
+    assert function is wrapper and head == (0xF00, (4, 1, 0), None, None, None)

@@ -14,6 +14,9 @@ Triton stays the judge of what a specialisation needs; the key here only has to 
 Triton's. Arguments of other kinds (tuples, int subclasses, tensor subclasses, ...), launch hooks (set by
 profilers) and Triton's interpreter send the call through Triton's path. Like
 Triton's own cache, this one assumes the kernels' global constants do not change after their first launch.
+A cached kernel is launched through Triton's C launch function itself where the compiled kernel's Python wrapper
+(`run`) would only forward to it (`_direct`; tests/test_nvlink_launch.py checks the arguments against the
+installed Triton's wrapper).
 
 `Relaunch` goes further for launches repeated with the same shapes: the caller names the arguments that
 change from call to call, and a repeat looks only at those; everything else (the rest of the key, the
@@ -97,6 +100,38 @@ class Pointer:
             storage, start // size, ((storage.nbytes() - start) // size,))
 
 
+# Triton's launcher wrappers (`compiled_kernel.run`, a CudaLauncher) whose Python `__call__` only forwards to its
+# C `launch` when the kernel needs no scratch memory, by their parameters: (head of the C call between the stream
+# and the kernel's arguments, as a function of the launcher and the kernel; whether those arguments go as one tuple)
+_FORWARDING_WRAPPERS = {
+    ("self", "gridX", "gridY", "gridZ", "stream", "function"):   # Triton 3.6
+        (lambda run, kernel: (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                              kernel.packed_metadata, None, None, None), False),
+    ("self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+     "launch_enter_hook", "launch_exit_hook"):   # Triton 3.7 to 3.9
+        (lambda run, kernel: (kernel.function, run.launch_cooperative_grid, run.launch_pdl, kernel.packed_metadata,
+                              None, None, None, None, None, run.arg_annotations, run.kernel_signature), True),
+}
+
+
+def _direct(kernel: Any) -> Tuple[Any, Tuple[Any, ...], bool]:
+    """How to launch a compiled kernel: (function, head, as_tuple), called as `function(grid_x, grid_y, grid_z,
+    stream, *head, *args)`, or with `args` as one tuple after the head where `as_tuple`. That is Triton's C launch
+    itself where its Python wrapper is of a form that only forwards to it (_FORWARDING_WRAPPERS: no scratch
+    memory, no sanitizer), else `kernel.run` with no launch hooks."""
+    run = kernel.run
+    call = getattr(type(run), "__call__", None)
+    code = getattr(call, "__code__", None)
+    form = None if code is None else _FORWARDING_WRAPPERS.get(code.co_varnames[:code.co_argcount])
+    if (form is not None and callable(getattr(run, "launch", None)) and not getattr(run, "gsan_enabled", False)
+            and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0):
+        try:
+            return run.launch, form[0](run, kernel), form[1]
+        except AttributeError:   # a wrapper of that form without the attributes it passes on
+            pass
+    return run, (kernel.function, kernel.packed_metadata, None, None, None), False
+
+
 _signatures: Dict[int, Optional[_Signature]] = {}   # id(fn) -> its signature, None for kernels not cached
 _compiled: Dict[Tuple, Any] = {}
 
@@ -148,8 +183,8 @@ def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
 
 
 def _launch(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """`launch`; returns the compiled kernel when the call went by the cache's key (None when it went through
-    Triton's path for another reason: hooks, arguments the key does not cover, ...)."""
+    """`launch`; returns how to launch the compiled kernel (`_direct`) when the call went by the cache's key
+    (None when it went through Triton's path for another reason: hooks, arguments the key does not cover, ...)."""
     signature = _signature(fn) if ENABLED and not _hooks_set() else None
     values, options = _bind(signature, args, kwargs) if signature is not None else ((), {})
     if signature is None or any(value is _MISSING for value in values):
@@ -180,17 +215,21 @@ def _launch(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[
             return None
     key_tuple = tuple(key)
     try:
-        kernel = _compiled.get(key_tuple)
+        direct = _compiled.get(key_tuple)
     except TypeError:   # an unhashable constexpr: Triton's path
         _through_triton(fn, grid, args, kwargs)
         return None
-    if kernel is None:
-        kernel = _compiled[key_tuple] = _through_triton(fn, grid, args, kwargs)
-        return kernel
+    if direct is None:
+        direct = _compiled[key_tuple] = _direct(_through_triton(fn, grid, args, kwargs))
+        return direct
     grid = tuple(grid) + (1, 1)
+    function, head, as_tuple = direct
     stream = torch._C._cuda_getCurrentRawStream(device)
-    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *values)
-    return kernel
+    if as_tuple:
+        function(grid[0], grid[1], grid[2], stream, *head, tuple(values))
+    else:
+        function(grid[0], grid[1], grid[2], stream, *head, *values)
+    return direct
 
 
 def _through_triton(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -240,7 +279,7 @@ class Relaunch:
         self.values = values
         self.packed = [_packed(value) for value in values]   # as the compiled kernel's launcher takes them
         self.positions = varied
-        self.kernels: Dict[Tuple, Any] = {}   # (device, specialisation of the varied values) -> compiled kernel
+        self.kernels: Dict[Tuple, Any] = {}   # (device, specialisation of the varied values) -> `_direct` of its kernel
 
     def __call__(self, *changed: Any, grid: Optional[Tuple[int, ...]] = None) -> None:
         grid = self.grid if grid is None else tuple(grid) + (1, 1)
@@ -265,19 +304,23 @@ class Relaunch:
             else:
                 return self._launch(grid, changed, None)
         key = tuple(spec)
-        kernel = self.kernels.get(key)
-        if kernel is None or _hooks_set():
+        direct = self.kernels.get(key)
+        if direct is None or _hooks_set():
             return self._launch(grid, changed, key)
-        kernel.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), kernel.function,
-                   kernel.packed_metadata, None, None, None, *packed)
+        function, head, as_tuple = direct
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        if as_tuple:
+            function(grid[0], grid[1], grid[2], stream, *head, tuple(packed))
+        else:
+            function(grid[0], grid[1], grid[2], stream, *head, *packed)
 
     def _launch(self, grid: Tuple[int, ...], changed: Tuple[Any, ...], key: Optional[Tuple]) -> None:
         values = list(self.values)
         for position, value in zip(self.positions, changed):
             values[position] = value
-        kernel = _launch(self.fn, grid[:3], tuple(values), self.options)
-        if kernel is not None and key is not None:
-            self.kernels[key] = kernel
+        direct = _launch(self.fn, grid[:3], tuple(values), self.options)
+        if direct is not None and key is not None:
+            self.kernels[key] = direct
 
 
 def _check_names(fn: Any, signature: _Signature, vary: Tuple[str, ...], kwargs: Dict[str, Any]) -> None:
