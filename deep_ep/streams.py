@@ -225,10 +225,12 @@ class CommStream:
             self._caller_waits(compute)
             return result, EventOverlap(None)
         event = EventHandle(self.stream)
-        for tensor in flatten_tensors(inputs):
+        held = flatten_tensors(inputs)
+        for tensor in held:
             if tensor.is_cuda:
                 tensor.record_stream(self.stream)
-        return result, EventOverlap(event, extra_tensors=tuple(flatten_tensors(inputs)) + tuple(outputs))
+        held.extend(outputs)
+        return result, EventOverlap(event, extra_tensors=tuple(held))
 
     def _run_on_caller(self, fn: Callable[[], Any], compute_id: Tuple[int, int, int], compute: torch.cuda.Stream,
                        validate: Optional[Callable[[], None]]) -> Tuple[Any, EventOverlap]:
