@@ -317,7 +317,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, tree: Optional[str],
     for op in ops:
         for flag in op.flags:
             measured = _time_op(op, flag, args.calls)
-            ok = torch.tensor([int(measured["checked"])])
+            ok = torch.tensor([int(measured["checked"])], device=device)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
             records.append(dict(operation=op.name, flags=flag, host_us=measured["host_us"], checked=bool(ok.item())))
             if "hook_us" in measured:

@@ -192,7 +192,9 @@ class CommStream:
             _wait(previous_event.event.event, self.stream)
         last = self._last_on_caller
         if last is not None:
-            if not after_caller or last[0] != compute_id:   # (a wait for the caller's stream covers it)
+            # (a wait for the caller's stream covers it; a capture orders its own work, and an eager call before
+            # it is complete: torch.cuda.graph synchronises first, and a capture cannot wait for outside work)
+            if (not after_caller or last[0] != compute_id) and not torch._C._cuda_isCurrentStreamCapturing():
                 _record(self._caller_done, last[1])
                 _wait(self._caller_done, self.stream)
             self._last_on_caller = None
