@@ -11,7 +11,8 @@ inside it (frameworks build it lazily in a forward), so that calls outside that 
 (e.g. the shrink mask).
 
 Note [checked handles]: a handle reused call after call (cached dispatches, combines) is checked once per
-(tokens, channels); the Buffer keeps the last handle it checked alive until it checks another.
+(tokens, channels), a low-latency handle once; the Buffer keeps the last handle of each mode it checked alive
+until it checks another.
 
 Note [hooks hold no Buffer]: a receive hook refers to the transport and its call's tensors, never to the
 Buffer, so a Buffer dropped with hooks never called goes at once (see `ReceiveHook._release`).
@@ -178,6 +179,10 @@ class Buffer:
         self._receive_streams: List[Optional[tuple]] = [None, None]
         # the last handle checked and its results per (num_tokens, num_channels): Note [checked handles]
         self._checked_handle: Tuple[Optional[tuple], dict] = (None, {})
+        # the last low-latency handle checked and its parts (Note [checked handles]); the (N, hidden, experts)
+        # that fit the buffer
+        self._checked_low_latency_handle: Tuple[Optional[tuple], Optional[tuple]] = (None, None)
+        self._low_latency_sizes_that_fit: set = set()
         low_latency_bytes = num_rdma_bytes if low_latency_mode and allow_nvlink_for_low_latency_mode else 0
         self._transport = select_transport(requested_transport, self._group, self.topology, self.device,
                                            num_nvl_bytes, low_latency_bytes, timeout_s)
@@ -233,6 +238,7 @@ class Buffer:
             self._transport = _DestroyedTransport()
             self._nvl_buffer = self._rdma_buffer = None
             self._checked_handle = (None, {})
+            self._checked_low_latency_handle = (None, None)
             self.runtime = None
 
     def _live(self, what: str) -> None:
@@ -821,9 +827,13 @@ class Buffer:
         return num_tokens, hidden
 
     def _check_low_latency_capacity(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
+        if (num_max_tokens, hidden, num_experts) in self._low_latency_sizes_that_fit:
+            return
         self._check_num_experts(num_experts)
         needed = low_latency_area_bytes(num_max_tokens, hidden, num_experts)   # what DeepEP asserts
-        if self.num_rdma_bytes < needed:
+        if self.num_rdma_bytes >= needed:
+            self._low_latency_sizes_that_fit.add((num_max_tokens, hidden, num_experts))
+        else:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for low-latency calls with N="
                              f"{num_max_tokens}, hidden={hidden}, num_experts={num_experts}: need >= {needed} "
                              "(Buffer.get_low_latency_rdma_size_hint)")
@@ -835,6 +845,11 @@ class Buffer:
         return lambda: check_expert_ids("topk_idx", topk_idx, num_experts)
 
     def _check_low_latency_handle(self, handle) -> Tuple[torch.Tensor, torch.Tensor, int, int, int]:
+        """The handle's parts, checked; a tuple checked by the call before is not checked again (a tuple's
+        items cannot change; the tensors' shapes could only through in-place resizing)."""
+        checked, parts = self._checked_low_latency_handle
+        if handle is checked and isinstance(handle, tuple):
+            return parts
         if not isinstance(handle, (tuple, list)) or len(handle) != 5:
             raise ValueError("handle must be the 5-tuple returned by low_latency_dispatch")
         src_info, layout_range, num_max_tokens, hidden, num_experts = handle
@@ -843,7 +858,9 @@ class Buffer:
                      shape=(experts_per_rank, self.group_size * num_max_tokens))
         check_tensor("handle[1] (layout_range)", layout_range, device=self.device, dtype=torch.int64,
                      shape=(experts_per_rank, self.group_size))
-        return src_info, layout_range, num_max_tokens, hidden, num_experts
+        parts = (src_info, layout_range, num_max_tokens, hidden, num_experts)
+        self._checked_low_latency_handle = (handle, parts)
+        return parts
 
     def _check_wait_stats(self, name: str, stats: Optional[torch.Tensor]) -> None:
         if stats is not None:
