@@ -222,14 +222,19 @@ def _launch(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[
     if direct is None:
         direct = _compiled[key_tuple] = _direct(_through_triton(fn, grid, args, kwargs))
         return direct
-    grid = tuple(grid) + (1, 1)
+    _run_direct(direct, tuple(grid) + (1, 1), device, values)
+    return direct
+
+
+def _run_direct(direct: Tuple[Any, Tuple[Any, ...], bool], grid: Tuple[int, ...], device: int,
+                values: List[Any]) -> None:
+    """Launch on the current stream of `device` as `_direct` says, `grid` padded to 3 entries at least."""
     function, head, as_tuple = direct
     stream = torch._C._cuda_getCurrentRawStream(device)
     if as_tuple:
         function(grid[0], grid[1], grid[2], stream, *head, tuple(values))
     else:
         function(grid[0], grid[1], grid[2], stream, *head, *values)
-    return direct
 
 
 def _through_triton(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -307,12 +312,7 @@ class Relaunch:
         direct = self.kernels.get(key)
         if direct is None or _hooks_set():
             return self._launch(grid, changed, key)
-        function, head, as_tuple = direct
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        if as_tuple:
-            function(grid[0], grid[1], grid[2], stream, *head, tuple(packed))
-        else:
-            function(grid[0], grid[1], grid[2], stream, *head, *packed)
+        _run_direct(direct, grid, device, packed)
 
     def _launch(self, grid: Tuple[int, ...], changed: Tuple[Any, ...], key: Optional[Tuple]) -> None:
         values = list(self.values)
