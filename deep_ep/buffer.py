@@ -318,8 +318,12 @@ class Buffer:
         return default_combine_config(num_ranks, Buffer.num_sms)
 
     def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
-        """Returns the stream the normal-mode and asynchronous calls run on (None on the CPU)."""
+        """Returns the communication stream (None on the CPU). From this call on, synchronous calls of this Buffer
+        run on it too, as in DeepEP, so that work ordered after it follows them; until then they run on the
+        caller's stream (Note [synchronous calls on the caller's stream] in streams.py). Calls with a receive
+        hook run on the caller's stream either way."""
         self._live("get_comm_stream")
+        self._comm_stream.exposed = True   # Note [synchronous calls on the caller's stream]
         return self._comm_stream.stream
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
@@ -827,12 +831,14 @@ class Buffer:
         return num_tokens, hidden
 
     def _check_low_latency_capacity(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
-        if (num_max_tokens, hidden, num_experts) in self._low_latency_sizes_that_fit:
+        key = (num_max_tokens, hidden, num_experts)
+        if type(num_max_tokens) is int and type(hidden) is int and type(num_experts) is int \
+                and key in self._low_latency_sizes_that_fit:
             return
         self._check_num_experts(num_experts)
         needed = low_latency_area_bytes(num_max_tokens, hidden, num_experts)   # what DeepEP asserts
         if self.num_rdma_bytes >= needed:
-            self._low_latency_sizes_that_fit.add((num_max_tokens, hidden, num_experts))
+            self._low_latency_sizes_that_fit.add(key)
         else:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for low-latency calls with N="
                              f"{num_max_tokens}, hidden={hidden}, num_experts={num_experts}: need >= {needed} "

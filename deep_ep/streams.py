@@ -15,9 +15,9 @@ caller's stream itself. Nothing can tell that from DeepEP's run on the comm stre
 waiting for it, and it saves the events, stream switches and `record_stream` marks, most of a short call's
 stream handling. Allocations, torch's fills of new memory and frees are then all on the stream the kernels run on.
 The Buffer's calls still follow one another as on one stream: a call on another stream than the previous call's
-waits for it first (for the comm stream: its queued work; for a caller's stream: an event recorded there when the
-next call needs it, which also covers caller work queued after that call, a longer wait than DeepEP's, never a
-shorter one).
+waits for it first (for the comm stream: its queued work; for a caller's stream: an event recorded there at the
+end of that call, so caller work queued after it is not waited for, as with DeepEP). Once the comm stream has
+been handed out (`Buffer.get_comm_stream`), where a caller may order work after it, every call runs there.
 """
 from __future__ import annotations
 
@@ -136,10 +136,11 @@ class CommStream:
             self._call_done = torch.cuda.Event()
             self._caller: Tuple[Any, Optional[torch.cuda.Stream]] = (None, None)   # (stream id, Stream)
             self._native_allocator = torch.cuda.get_allocator_backend() == "native"
-            # Note [synchronous calls on the caller's stream]: the stream the last call ran on (None: the comm
-            # stream or nothing yet), and an event recorded there after it, re-recorded by each such call
+            # Note [synchronous calls on the caller's stream]: the caller's stream the last call ran on (None:
+            # the comm stream or nothing yet), and an event recorded there at the end of each such call
             self._last_on_caller: Optional[Tuple[Tuple[int, int, int], torch.cuda.Stream]] = None
             self._caller_done = torch.cuda.Event()
+            self.exposed = False   # the comm stream was handed out (get_comm_stream): calls stay on it
 
     def caller(self) -> Tuple[Tuple[int, int, int], torch.cuda.Stream]:
         """The caller's stream on the Buffer's device: (its id triple, a Stream object for it)."""
@@ -171,7 +172,7 @@ class CommStream:
     def runs_on_caller(self, previous_event: Optional[EventOverlap], async_finish: bool) -> bool:
         """Whether a call with these arguments runs on the caller's stream instead of the comm stream (Note
         [synchronous calls on the caller's stream])."""
-        return (self.stream is not None and not async_finish and _after_caller(previous_event)
+        return (self.stream is not None and not async_finish and not self.exposed and _after_caller(previous_event)
                 and torch._C._cuda_getDevice() == self.device_index and not torch._C._cuda_isCurrentStreamCapturing())
 
     def _run(self, fn: Callable[[], Any], inputs: Tuple[Any, ...], previous_event: Optional[EventOverlap],
@@ -195,7 +196,6 @@ class CommStream:
             # (a wait for the caller's stream covers it; a capture orders its own work, and an eager call before
             # it is complete: torch.cuda.graph synchronises first, and a capture cannot wait for outside work)
             if (not after_caller or last[0] != compute_id) and not torch._C._cuda_isCurrentStreamCapturing():
-                _record(self._caller_done, last[1])
                 _wait(self._caller_done, self.stream)
             self._last_on_caller = None
         caller_device = torch._C._cuda_getDevice()
@@ -242,12 +242,14 @@ class CommStream:
             _record(self._call_done, self.stream)
             _wait(self._call_done, compute)
         elif last[0] != compute_id:
-            _record(self._caller_done, last[1])
             _wait(self._caller_done, compute)
         self._last_on_caller = (compute_id, compute)
-        if validate is not None:
-            validate()
-        return fn(), EventOverlap(None)
+        try:
+            if validate is not None:
+                validate()
+            return fn(), EventOverlap(None)
+        finally:   # the end of this call, for a later call on another stream (also after a failure)
+            _record(self._caller_done, compute)
 
     def _caller_waits(self, compute: torch.cuda.Stream) -> None:
         """The caller's stream waits for everything queued on the comm stream so far."""

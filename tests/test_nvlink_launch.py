@@ -386,11 +386,11 @@ def test_a_direct_launch_passes_what_tritons_launcher_wrapper_passes(monkeypatch
 
     args = (0x7000, 3, 2 ** 40, None)
     wrapper(2, 1, 1, 1234, Compiled.function, Compiled.packed_metadata, None, None, None, *args)   # Triton's way
-    function, head, as_tuple = launcher._direct(Compiled)
+    function, head, as_tuple, _ = launcher._direct(Compiled)
     assert function is wrapper.launch, "the wrapper forwards only, but _direct does not know its form"
     function(2, 1, 1, 1234, *head, args) if as_tuple else function(2, 1, 1, 1234, *head, *args)
     assert len(received) == 2 and received[1] == received[0]
     # a wrapper with work to do (scratch memory) is called as it is
     wrapper.global_scratch_size = 64
-    function, head, _ = launcher._direct(Compiled)
+    function, head, _, _ = launcher._direct(Compiled)
     assert function is wrapper and head == (0xF00, (4, 1, 0), None, None, None)

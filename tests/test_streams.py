@@ -202,3 +202,39 @@ def test_a_failed_synchronous_call_makes_the_callers_stream_wait_for_its_kernels
     assert not after.query(), "the caller's stream went on while the failed call's kernel was running"
     torch.cuda.synchronize(device)
     assert after.query()
+
+
+@pytest.mark.gpu
+def test_a_call_after_previous_event_does_not_wait_for_caller_work_queued_after_a_synchronous_call():
+    """The overlap `previous_event` is for: after a synchronous call (run on the caller's stream), a call ordered
+    after an event recorded before the caller's later work must not wait for that work."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    comm = CommStream(device)
+    caller = torch.cuda.Stream(device)
+    target = torch.zeros(16, device=device)
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(caller):
+        comm.run(add_one(target), (), None, False)
+        before = EventOverlap(EventHandle())
+        torch.cuda._sleep(2_000_000_000)   # the caller's later work, about a second
+        caller_done = torch.cuda.Event()
+        caller_done.record(caller)
+        _, overlap = comm.run(add_one(target), (), before, True)
+    overlap.event.event.synchronize()
+    assert not caller_done.query(), "the call waited for the caller's work queued after its previous_event"
+    torch.cuda.synchronize(device)
+    assert torch.equal(target, torch.full_like(target, 2.0))
+
+
+@pytest.mark.gpu
+def test_synchronous_calls_run_on_the_comm_stream_once_it_was_handed_out():
+    """After `get_comm_stream()` a caller may order work after the comm stream: synchronous calls run there, as
+    in DeepEP."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    comm = CommStream(device)
+    caller = torch.cuda.Stream(device)
+    with torch.cuda.stream(caller):
+        before = comm.run(lambda: torch.cuda.current_stream(device), (), None, False)[0]
+        comm.exposed = True   # what Buffer.get_comm_stream sets
+        after = comm.run(lambda: torch.cuda.current_stream(device), (), None, False)[0]
+    assert before == caller and after == comm.stream

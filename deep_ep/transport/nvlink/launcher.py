@@ -114,22 +114,35 @@ _FORWARDING_WRAPPERS = {
 }
 
 
-def _direct(kernel: Any) -> Tuple[Any, Tuple[Any, ...], bool]:
-    """How to launch a compiled kernel: (function, head, as_tuple), called as `function(grid_x, grid_y, grid_z,
-    stream, *head, *args)`, or with `args` as one tuple after the head where `as_tuple`. That is Triton's C launch
-    itself where its Python wrapper is of a form that only forwards to it (_FORWARDING_WRAPPERS: no scratch
-    memory, no sanitizer), else `kernel.run` with no launch hooks."""
+_KNOWN_WRAPPERS = ((3, 6), (3, 9))   # the Triton releases whose wrappers _FORWARDING_WRAPPERS describes
+
+
+def _release(version: str) -> Tuple[int, ...]:
+    """(major, minor) of a Triton version string; (0,) where it does not parse."""
+    try:
+        return tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return (0,)
+
+
+def _direct(kernel: Any) -> Tuple[Any, Tuple[Any, ...], bool, Any]:
+    """How to launch a compiled kernel: (function, head, as_tuple, kernel), called as `function(grid_x, grid_y,
+    grid_z, stream, *head, *args)`, or with `args` as one tuple after the head where `as_tuple`; the kernel is
+    held so that its module stays loaded. That is Triton's C launch itself where its Python wrapper is of a
+    form that only forwards to it (_FORWARDING_WRAPPERS, in the releases known: no scratch memory, no
+    sanitizer), else `kernel.run` with no launch hooks."""
     run = kernel.run
     call = getattr(type(run), "__call__", None)
     code = getattr(call, "__code__", None)
-    form = None if code is None else _FORWARDING_WRAPPERS.get(code.co_varnames[:code.co_argcount])
+    known = _KNOWN_WRAPPERS[0] <= _release(triton.__version__) <= _KNOWN_WRAPPERS[1]
+    form = None if code is None or not known else _FORWARDING_WRAPPERS.get(code.co_varnames[:code.co_argcount])
     if (form is not None and callable(getattr(run, "launch", None)) and not getattr(run, "gsan_enabled", False)
             and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0):
         try:
-            return run.launch, form[0](run, kernel), form[1]
+            return run.launch, form[0](run, kernel), form[1], kernel
         except AttributeError:   # a wrapper of that form without the attributes it passes on
             pass
-    return run, (kernel.function, kernel.packed_metadata, None, None, None), False
+    return run, (kernel.function, kernel.packed_metadata, None, None, None), False, kernel
 
 
 _signatures: Dict[int, Optional[_Signature]] = {}   # id(fn) -> its signature, None for kernels not cached
@@ -226,10 +239,10 @@ def _launch(fn: Any, grid: Tuple[int, ...], args: Tuple[Any, ...], kwargs: Dict[
     return direct
 
 
-def _run_direct(direct: Tuple[Any, Tuple[Any, ...], bool], grid: Tuple[int, ...], device: int,
+def _run_direct(direct: Tuple[Any, Tuple[Any, ...], bool, Any], grid: Tuple[int, ...], device: int,
                 values: List[Any]) -> None:
     """Launch on the current stream of `device` as `_direct` says, `grid` padded to 3 entries at least."""
-    function, head, as_tuple = direct
+    function, head, as_tuple, _ = direct
     stream = torch._C._cuda_getCurrentRawStream(device)
     if as_tuple:
         function(grid[0], grid[1], grid[2], stream, *head, tuple(values))

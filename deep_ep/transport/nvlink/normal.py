@@ -140,7 +140,7 @@ class NVLinkNormal:
         self._no_ids = torch.zeros(1, dtype=torch.int64, device=device)   # topk_idx of a dispatch without one
         self._signatures: Dict[tuple, int] = {}   # _call_signature's results
         self._channels: Optional[int] = None
-        self._plans = Keeper()   # a handle's plan, kept with its recv_src_idx
+        self._plans = Keeper()   # (a handle's plan, the raw streams it was made or used on), kept with recv_src_idx
         self._launches: Dict[tuple, Any] = {}   # per kernel and shape (_launch)
         self._geometries: Dict[tuple, DispatchGeometry] = {}
 
@@ -213,11 +213,26 @@ class NVLinkNormal:
         wait for the largest shares, so that this rank picks the protocol its peers pick with the original
         handle; inside a CUDA-graph capture, which cannot wait, a rebuilt plan uses the rings)."""
         recv_src_idx = handle[3]
-        plan = self._plans.get(recv_src_idx)
-        if plan is None:
+        kept = self._plans.get(recv_src_idx)
+        stream = self._raw_stream()
+        if kept is None:
             plan = plan_from_handle(handle, self.topology.rank, read_shares=not self._capturing())
-            self._plans.keep(recv_src_idx, plan)
+            self._plans.keep(recv_src_idx, (plan, {stream}))
+            return plan
+        plan, streams = kept
+        if stream not in streams:
+            # the plan's and the handle's memory came from another stream's pool: it must not go back to it while
+            # this stream's kernels may still read it (Note [synchronous calls on the caller's stream])
+            current = torch.cuda.current_stream(self.device)
+            for tensor in (*handle, *plan):
+                tensor = tensor.tensor if isinstance(tensor, Pointer) else tensor
+                if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                    tensor.record_stream(current)
+            streams.add(stream)
         return plan
+
+    def _raw_stream(self) -> int:
+        return torch._C._cuda_getCurrentRawStream(self.device.index) if self.device.type == "cuda" else 0
 
     # ---- layout ----------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
@@ -294,7 +309,7 @@ class NVLinkNormal:
         out.handle = (rank_prefix_matrix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
                       send_head)
         out.num_recv_tokens_per_expert_list = aligned_list
-        self._plans.keep(recv_src_idx, plan)
+        self._plans.keep(recv_src_idx, (plan, {self._raw_stream()}))
         return out
 
     def _call_signature(self, call: Dict[str, int]) -> int:
