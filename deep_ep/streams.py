@@ -136,9 +136,9 @@ class CommStream:
             self._call_done = torch.cuda.Event()
             self._caller: Tuple[Any, Optional[torch.cuda.Stream]] = (None, None)   # (stream id, Stream)
             self._native_allocator = torch.cuda.get_allocator_backend() == "native"
-            # Note [synchronous calls on the caller's stream]: the caller's stream the last call ran on (None:
-            # the comm stream or nothing yet), and an event recorded there at the end of each such call
-            self._last_on_caller: Optional[Tuple[Tuple[int, int, int], torch.cuda.Stream]] = None
+            # Note [synchronous calls on the caller's stream]: the caller's stream (ids) the last call ran on
+            # (None: the comm stream or nothing yet), and an event recorded there at the end of each such call
+            self._last_on_caller: Optional[Tuple[int, int, int]] = None
             self._caller_done = torch.cuda.Event()
             self.exposed = False   # the comm stream was handed out (get_comm_stream): calls stay on it
 
@@ -164,9 +164,11 @@ class CommStream:
 
         Returns `(fn's result, EventOverlap)`: with `async_finish` the caller's stream does not wait and the
         overlap holds the event; otherwise the caller's stream waits (also when `fn` raises) and its event is None.
-        Outputs are allocated on the comm stream and marked as used by the calling stream (also inside a CUDA-graph
-        capture, where the allocator then keeps a freed output's memory out of the rest of the capture), except
-        those `fn` allocates through `allocate_outputs` (Note [outputs on the caller's stream])."""
+        A synchronous call after the caller's work runs on the caller's stream, outputs and all, outside a capture
+        (Note [synchronous calls on the caller's stream]). Otherwise outputs are allocated on the comm stream and
+        marked as used by the calling stream (also inside a CUDA-graph capture, where the allocator then keeps a
+        freed output's memory out of the rest of the capture), except those `fn` allocates through
+        `allocate_outputs` (Note [outputs on the caller's stream])."""
         return without_autograd(lambda: self._run(fn, inputs, previous_event, async_finish, validate))
 
     def runs_on_caller(self, previous_event: Optional[EventOverlap], async_finish: bool) -> bool:
@@ -195,7 +197,7 @@ class CommStream:
         if last is not None:
             # (a wait for the caller's stream covers it; a capture orders its own work, and an eager call before
             # it is complete: torch.cuda.graph synchronises first, and a capture cannot wait for outside work)
-            if (not after_caller or last[0] != compute_id) and not torch._C._cuda_isCurrentStreamCapturing():
+            if (not after_caller or last != compute_id) and not torch._C._cuda_isCurrentStreamCapturing():
                 _wait(self._caller_done, self.stream)
             self._last_on_caller = None
         caller_device = torch._C._cuda_getDevice()
@@ -241,9 +243,9 @@ class CommStream:
         if last is None:   # the comm stream may hold earlier asynchronous calls
             _record(self._call_done, self.stream)
             _wait(self._call_done, compute)
-        elif last[0] != compute_id:
+        elif last != compute_id:
             _wait(self._caller_done, compute)
-        self._last_on_caller = (compute_id, compute)
+        self._last_on_caller = compute_id
         try:
             if validate is not None:
                 validate()
