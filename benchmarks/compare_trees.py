@@ -7,7 +7,7 @@ deep_ep | tar -x -C OLD_ROOT`). Both packages run this tree's scripts, which use
 difference comes from the package:
   hashes: benchmarks/output_hashes.py on each package (fixed seed; every operation, both transports, the NVLink
           protocols forced each way), the two outputs compared line by line;
-  host:   benchmarks/host_overhead.py --ranks 1 (host time to enqueue each call, and its GPU time);
+  host:   benchmarks/host_overhead.py --ranks 1 (host time to enqueue each call, per form of its stream arguments);
   ll:     benchmarks/ll_kernel_times.py (one rank: low-latency kernels per operation, graph replays);
   normal: python -m deep_ep.bench --mode normal, 2 ranks sharing the GPU, kernel time per operation, with a
           buffer that every share fits (direct protocol) and with the size hint's (rings).
@@ -43,20 +43,13 @@ def _run(root: Path, args: List[str], timeout_s: float) -> str:
     return done.stdout
 
 
-def _host_figures(text: str) -> Dict[str, float]:
-    """host_overhead.py's table: '<operation> host us' and '<operation> GPU us' per operation."""
-    figures: Dict[str, float] = {}
-    for line in text.splitlines():
-        words = line.split()
-        if len(words) >= 3 and line.startswith("  ") and not line.startswith("   "):
-            try:
-                host, events = float(words[-2]), float(words[-1])
-            except ValueError:
-                continue
-            name = " ".join(words[:-2])
-            figures[f"{name}: host"] = host
-            figures[f"{name}: GPU (events)"] = events
-    return figures
+_HOST_JSON = Path(tempfile.gettempdir()) / f"deep_ep_compare_trees_host_{os.getpid()}.json"
+
+
+def _host_figures(_text: str) -> Dict[str, float]:
+    """host_overhead.py's records (its --json file): host us per call by operation and stream arguments."""
+    records = json.loads(_HOST_JSON.read_text())["records"]
+    return {f"{r['operation']} ({r['flags']}): host": r["host_us"] for r in records if r["host_us"] is not None}
 
 
 def _ll_figures(text: str) -> Dict[str, float]:
@@ -97,7 +90,8 @@ def _ratio_table(figures: Dict[str, Dict[str, List[float]]]) -> List[str]:
 def _timed_parts(parts: List[str]) -> List[Tuple[str, List[str], float, object]]:
     runs = []
     if "host" in parts:
-        runs.append(("host", ["benchmarks/host_overhead.py", "--ranks", "1", "--calls", "200"], 300, _host_figures))
+        host = ["benchmarks/host_overhead.py", "--ranks", "1", "--calls", "200", "--json", str(_HOST_JSON)]
+        runs.append(("host", host, 600, _host_figures))
     if "ll" in parts:
         runs.append(("ll", ["benchmarks/ll_kernel_times.py", "--replays", "100"], 300, _ll_figures))
     if "normal" in parts:

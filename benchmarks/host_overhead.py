@@ -105,7 +105,8 @@ class _Op:
 
     def __init__(self, name: str, call: Callable, inputs: List[Any], flags: List[str],
                  outputs: Callable[[Any], List[torch.Tensor]], hook: Optional[str] = None) -> None:
-        self.name, self.call, self.inputs, self.flags, self.outputs, self.hook = name, call, inputs, flags, outputs, hook
+        self.name, self.call, self.inputs, self.flags = name, call, inputs, flags
+        self.outputs, self.hook = outputs, hook
 
 
 def _event_and_hook(result: Tuple[Any, ...]) -> Tuple[Any, Any]:
