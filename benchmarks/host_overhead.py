@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
-import io
 import json
 import os
 import platform
@@ -35,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -252,7 +252,7 @@ def _idle_gap(buffer: Any, x: torch.Tensor, layout: Dict[str, Any], rank: int) -
     return statistics.median(gaps) if gaps else None
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, tree: Optional[str], queue: Any) -> None:
+def _worker(rank: int, args: argparse.Namespace, port: int, tree: Optional[str], out: str) -> None:
     if tree:
         sys.path.insert(0, tree)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -350,12 +350,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int, tree: Optional[str],
     ll_buffer.destroy()
     dist.destroy_process_group()
     if rank == 0:
-        queue.put(dict(records=records, package=str(Path(deep_ep.__file__).parent)))
+        Path(out).write_text(json.dumps(dict(records=records, package=str(Path(deep_ep.__file__).parent))))
 
 
 def _profile(op: _Op, rank: int) -> str:
-    """A cProfile of rank 0's calls, by own time (every rank repeats the calls: their kernels wait for each
-    other)."""
+    """A cProfile of rank 0's calls (every rank repeats them: their kernels wait for each other): the functions
+    with the most own time, in us per operation call."""
     dist.barrier()
     _busy(0.1)
     profile = cProfile.Profile() if rank == 0 else None
@@ -363,24 +363,28 @@ def _profile(op: _Op, rank: int) -> str:
         profile.enable()
     for _ in range(BATCH):
         op.call(op.inputs[0], {})
+    if profile is not None:
+        profile.disable()
     torch.cuda.synchronize()
     if profile is None:
         return ""
-    profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(22)
-    return "\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip())
+    rows = sorted(pstats.Stats(profile).stats.items(), key=lambda item: -item[1][2])[:20]
+    lines = [f"{'own us':>8s} {'total us':>9s} {'calls':>6s}  function (per operation call)"]
+    for (path, line, name), (_, calls, own, total, _) in rows:
+        where = f"{Path(path).name}:{line}({name})" if line else name
+        lines.append(f"{own / BATCH * 1e6:8.2f} {total / BATCH * 1e6:9.2f} {calls / BATCH:6.1f}  {where}")
+    return "\n".join(lines)
 
 
 def _measure(args: argparse.Namespace, ranks: int, tree: Optional[str]) -> Dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
     args.num_ranks = ranks
-    mp.spawn(_worker, args=(args, port, tree, queue), nprocs=ranks)
-    return queue.get()
+    with tempfile.TemporaryDirectory() as scratch:   # (rank 0 writes its records there)
+        out = Path(scratch) / "records.json"
+        mp.spawn(_worker, args=(args, port, tree, str(out)), nprocs=ranks)
+        return json.loads(out.read_text())
 
 
 def _versions() -> Dict[str, str]:
