@@ -64,7 +64,7 @@ from ..streams import capturing
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 from .reference_fixed_size import FixedSizeLowLatency
 from .reference_rows import (exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers, remember,
-                             side_by_side)
+                             side_by_side, weighted_sum_in_slot_order)
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
@@ -789,11 +789,8 @@ class ReferenceTransport(Transport):
             row_of = torch.full(valid.shape, values.shape[0], dtype=torch.int64, device=out.device)
             row_of[token_of, slot_of] = row
             weights = torch.where(valid, topk_weights.float(), 0.0)
-            accumulator = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=out.device)
-            # fixed order: ascending top-k slot, one slot's rows at a time (not a [tokens, top-k, hidden] f32 tensor)
-            for k in range(topk_idx.shape[1]):
-                accumulator += _take(padded, row_of[:, k]).float() * weights[:, k, None]
-            out.copy_(accumulator.to(torch.bfloat16))
+            rows = _take(padded, row_of.view(-1)).view(num_tokens, topk_idx.shape[1], hidden)
+            out.copy_(weighted_sum_in_slot_order(rows, weights).to(torch.bfloat16))
             if wait_stats is not None:
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
 

@@ -25,7 +25,8 @@ import torch
 from ..fp8 import logfmt_roundtrip, pack_ue8m0, per_token_cast_to_fp8
 from ..group import Group
 from .base import LowLatencyDispatchOutput
-from .reference_rows import exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers, remember, side_by_side
+from .reference_rows import (exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers, remember,
+                             side_by_side, weighted_sum_in_slot_order)
 
 
 class _Received(NamedTuple):
@@ -110,7 +111,7 @@ class FixedSizeLowLatency:
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
                 use_logfmt: bool, out: torch.Tensor) -> Callable[[], None]:
-        R, rank = self.num_ranks, self.rank
+        R = self.num_ranks
         received = self._received[id(src_info)]
         N, topk = received.num_max_tokens, received.topk
         experts_per_rank, slots, hidden = x.shape
@@ -130,8 +131,5 @@ class FixedSizeLowLatency:
             row = (owner * N + token) * topk + slot
             rows = torch.where(valid[:, :, None], values[row.view(-1)].view(num_tokens, topk, hidden), 0)
             weights = torch.where(valid, topk_weights.float(), 0.0)
-            accumulator = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
-            for k in range(topk):   # fixed order: ascending top-k slot, as the other path sums
-                accumulator += rows[:, k].float() * weights[:, k, None]
-            out.copy_(accumulator.to(torch.bfloat16))
+            out.copy_(weighted_sum_in_slot_order(rows, weights).to(torch.bfloat16))
         return receive

@@ -15,6 +15,19 @@ def exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cumsum(t, dim=dim) - t
 
 
+def weighted_sum_in_slot_order(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float32 `[T, H]`: the sum over the top-k slots, in ascending slot order from +0, of each slot's row of
+    `rows` (`[T, K, H]`, bfloat16) as float32 times its weight (`weights` `[T, K]` float32), each product
+    rounded before its add: the low-latency combine's order. Two operations a slot (the product, into one
+    float32 tensor reused, and the add), after one gather of all slots' rows by the caller."""
+    total = torch.zeros((rows.shape[0], rows.shape[2]), dtype=torch.float32, device=rows.device)
+    product = torch.empty_like(total)
+    for k in range(rows.shape[1]):
+        torch.mul(rows[:, k], weights[:, k, None], out=product)   # (bfloat16 to float32 is exact)
+        total += product
+    return total
+
+
 def remember(table: Dict[int, object], key: torch.Tensor, value: object) -> None:
     """Keep `value` in `table` under `key` for as long as `key` lives."""
     table[id(key)] = value
