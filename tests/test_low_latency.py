@@ -1177,6 +1177,7 @@ def run_combine_matching(ctx, seed: int) -> List[str]:
     dispatch of its handle (Note [returned in sent order]) and with them otherwise: both give the same bits;
     handles of different dispatches are refused on every rank; a top-k entry that names an expert the dispatch
     did not send the token to is refused on its rank, on both paths."""
+    from deep_ep.transport.kept import Keeper
     N, H, E, K = 6, 128, 4 * ctx.world_size, 3
     buf = make_buffer(ctx, N, H, E, transport="reference")
     x, idx, weights = _small_inputs(ctx, seed, "combine matching a", 5, H, E, K)
@@ -1195,7 +1196,7 @@ def run_combine_matching(ctx, seed: int) -> List[str]:
         if path == "ids":   # the same dispatch again, whose selections one rank forgets: every rank takes the ids
             recv_a, _, handle_a, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
             if ctx.rank == 0:
-                buf._transport._sent_selections.clear()
+                buf._transport._sent_selections = Keeper()   # a new keeper: every selection kept so far forgotten
         again = buf.low_latency_combine(recv_a, idx, weights, handle_a)[0]
         if not torch.equal(bits(again), bits(remembered)):
             problems.append(f"rank {ctx.rank}: combine by {path} differs from the first combine")

@@ -63,8 +63,9 @@ from ..group import Group, Topology, rows_as_bytes, unmasked_ranks
 from ..streams import capturing
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 from .reference_fixed_size import FixedSizeLowLatency
-from .reference_rows import (exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers, remember,
-                             side_by_side, weighted_sum_in_slot_order)
+from .kept import Keeper
+from .reference_rows import (exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers, side_by_side,
+                             weighted_sum_in_slot_order)
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
@@ -179,8 +180,8 @@ class ReferenceTransport(Transport):
     def __init__(self, group: Group, topology: Topology, device: torch.device) -> None:
         super().__init__(group, topology, device)
         self._call_number = 0
-        self._routes: Dict[int, _Route] = {}   # Note [handle routes]: forgotten with the handle's tensor
-        self._sent_selections: Dict[int, _Selections] = {}   # Note [returned in sent order], by src_info
+        self._routes = Keeper()   # Note [handle routes]: kept with the handle's tensor of received rows
+        self._sent_selections = Keeper()   # Note [returned in sent order]: kept with the handle's src_info
         # low-latency calls as fixed-size exchanges (reference_fixed_size.py): inside a CUDA graph capture, which
         # NCCL groups allow, and wherever this is set (every rank alike)
         self._fixed_size = FixedSizeLowLatency(group, topology.rank, topology.num_ranks)
@@ -190,10 +191,10 @@ class ReferenceTransport(Transport):
     def _route_of(self, handle) -> _Route:
         """The route of a handle: kept from its dispatch, else rebuilt from the handle (host reads)."""
         is_token_in_rank, received_rows = _routing(handle, self.topology.is_internode)
-        route = self._routes.get(id(received_rows))
+        route = self._routes.get(received_rows)
         if route is None:
             route = _route(is_token_in_rank, self._recv_per_source(handle))
-            remember(self._routes, received_rows, route)
+            self._routes.keep(received_rows, route)
         return route
 
     # ---- agreement --------------------------------------------------------------------------------
@@ -398,7 +399,7 @@ class ReferenceTransport(Transport):
                                                 recv_channel_counts, rank_prefix_matrix, recv, num_recv, num_rows,
                                                 is_token_in_rank, experts_per_rank, num_channels,
                                                 worst_rows=num_worst_tokens)
-        remember(self._routes, _routing(out.handle, topo.is_internode)[1], route)
+        self._routes.keep(_routing(out.handle, topo.is_internode)[1], route)
         out.num_recv_tokens_per_expert_list = [] if num_worst_tokens else aligned.tolist()
         return out
 
@@ -678,7 +679,7 @@ class ReferenceTransport(Transport):
         remembered = None
         if mask is None:
             remembered = _Selections(token, slot, expert, send_splits, self._call_number, [], [])
-            remember(self._sent_selections, src_info, remembered)
+            self._sent_selections.keep(src_info, remembered)
 
         def receive() -> None:
             started = _now_ns()
@@ -729,7 +730,7 @@ class ReferenceTransport(Transport):
         num_ranks = topo.num_ranks
         experts_per_rank, hidden = x.shape[0], x.shape[2]
         num_experts = experts_per_rank * num_ranks
-        sent = self._sent_selections.get(id(src_info)) if mask is None else None
+        sent = self._sent_selections.get(src_info) if mask is None else None
         row_index, per_source = sent.received if sent is not None and sent.received else \
             _rows_to_return(layout_range, x.shape[1])
         fields = dict(hidden=hidden, num_max_dispatch_tokens_per_rank=num_max_tokens, num_experts=num_experts,

@@ -11,22 +11,24 @@ routing):
     (source, token, slot) entry it holds, under the handle's `src_info`.
   combine: each rank sends each source rank a block of N * top-k rows, row (token, slot) holding its expert's
     output for that selection where the expert is its own (other rows are never read, whatever they hold), in
-    one all-to-all of equal blocks. The source takes each selection's row from the block of the rank that owns its expert and
-    sums them in ascending slot order, as the other path does, so the results are equal bit for bit.
+    one all-to-all of equal blocks. The source takes each selection's row from the block of the rank that owns
+    its expert and sums them in ascending slot order, as the other path does, so the results are equal bit for
+    bit.
 A combine runs this way when its handle's dispatch did; shapes are not compared between ranks (that needs the
 host), so every rank must make the same calls, as inside a capture anyway.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple, Tuple
+from typing import Callable, NamedTuple, Tuple
 
 import torch
 
 from ..fp8 import logfmt_roundtrip, pack_ue8m0, per_token_cast_to_fp8
 from ..group import Group
 from .base import LowLatencyDispatchOutput
-from .reference_rows import (exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers, remember,
-                             side_by_side, weighted_sum_in_slot_order)
+from .kept import Keeper
+from .reference_rows import (exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers, side_by_side,
+                             weighted_sum_in_slot_order)
 
 
 class _Received(NamedTuple):
@@ -42,11 +44,11 @@ class FixedSizeLowLatency:
 
     def __init__(self, group: Group, rank: int, num_ranks: int) -> None:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
-        self._received: Dict[int, _Received] = {}   # by the handle's src_info, forgotten with it
+        self._received = Keeper()   # a dispatch's _Received, kept with the handle's src_info
 
     def knows(self, src_info: torch.Tensor) -> bool:
         """Whether `src_info` is the handle of a dispatch made here (its combine then runs here too)."""
-        return id(src_info) in self._received
+        return self._received.get(src_info) is not None
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
                  options) -> Tuple[LowLatencyDispatchOutput, Callable[[], None]]:
@@ -72,7 +74,7 @@ class FixedSizeLowLatency:
         src_info = torch.empty((experts_per_rank, slots), dtype=torch.int32, device=dev)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         slot_of_entry = torch.empty(R * N * topk, dtype=torch.int64, device=dev)
-        remember(self._received, src_info, _Received(slot_of_entry, N, topk))
+        self._received.keep(src_info, _Received(slot_of_entry, N, topk))
 
         def receive() -> None:
             gathered = pending.wait().view(R * N, -1)
@@ -112,7 +114,7 @@ class FixedSizeLowLatency:
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
                 use_logfmt: bool, out: torch.Tensor) -> Callable[[], None]:
         R = self.num_ranks
-        received = self._received[id(src_info)]
+        received = self._received.get(src_info)
         N, topk = received.num_max_tokens, received.topk
         experts_per_rank, slots, hidden = x.shape
         blocks = x.reshape(-1, hidden).index_select(0, received.slot_of_entry)

@@ -1,9 +1,8 @@
 """Pieces both of the reference transport's low-latency paths use (reference.py, reference_fixed_size.py): rows
-of several tensors side by side as bytes, the receive buffers, and tables of values kept for a tensor's life."""
+of several tensors side by side as bytes, the receive buffers and the combine's weighted sum."""
 from __future__ import annotations
 
-import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,12 +25,6 @@ def weighted_sum_in_slot_order(rows: torch.Tensor, weights: torch.Tensor) -> tor
         torch.mul(rows[:, k], weights[:, k, None], out=product)   # (bfloat16 to float32 is exact)
         total += product
     return total
-
-
-def remember(table: Dict[int, object], key: torch.Tensor, value: object) -> None:
-    """Keep `value` in `table` under `key` for as long as `key` lives."""
-    table[id(key)] = value
-    weakref.finalize(key, table.pop, id(key), None)
 
 
 def gather_side_by_side(parts: List[torch.Tensor], index: torch.Tensor, beside: Sequence[torch.Tensor] = ()

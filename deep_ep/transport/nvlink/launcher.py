@@ -48,6 +48,11 @@ def profiler_name(*scopes: str):
     return lambda _specialization: symbol
 
 
+def current_raw_stream(device: torch.device) -> int:
+    """The raw handle of `device`'s current stream (0 for CPU memory: the interpreted tests)."""
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+
+
 def launch_options() -> Optional[frozenset]:
     """The launch options this Triton's CUDA backend takes (None where it cannot be asked)."""
     try:

@@ -46,9 +46,9 @@ from ...fp8 import num_scale_groups
 from ...group import Group, Topology
 from ...streams import allocate_outputs
 from ..base import LowLatencyDispatchOutput, LowLatencyOptions
+from ..kept import Keeper
 from . import settings
-from .kept import Keeper
-from .launcher import Pointer, Relaunch, launch_options, next_pow2
+from .launcher import Pointer, Relaunch, current_raw_stream, launch_options, next_pow2
 
 NUM_SENDERS = 128         # send programs (the grid of every send and fused launch); the same on all ranks
 NUM_WARPS = 8             # warps of a send or fused program
@@ -283,7 +283,7 @@ class NVLinkLowLatency:
                    self._no_words if recv_scales is None else Pointer(recv_scales, torch.int32), src_info,
                    layout_range, recv_count)   # (_DISPATCH_OUTPUTS)
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
-        self.routes.keep(src_info, (route, topk, self._raw_stream()))
+        self.routes.keep(src_info, (route, topk, current_raw_stream(self.device)))
         if not hook and plan.fused is not None and num_tokens <= FUSED_MAX_TOKENS:
             plan.fused(x, topk_idx, num_tokens, mask, route, *outputs)
             return output, _nothing
@@ -299,9 +299,6 @@ class NVLinkLowLatency:
         R = self.topology.num_ranks
         return self._view(geometry.arrived, 8 * R, torch.int64), self._view(geometry.received, 8, torch.int64)
 
-    def _raw_stream(self) -> int:
-        return torch._C._cuda_getCurrentRawStream(self.device.index) if self.area.is_cuda else 0
-
     # ---- combine ----------------------------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
                 layout_range: torch.Tensor, num_max_tokens: int, use_logfmt: bool, mask: Optional[torch.Tensor],
@@ -316,7 +313,7 @@ class NVLinkLowLatency:
         if topk != dispatch_topk:
             raise ValueError(f"topk_idx must have the top-k of the matching low_latency_dispatch ({dispatch_topk} "
                              f"columns), got {topk}")
-        if route_stream != self._raw_stream():   # its memory must outlive this combine's kernels on this stream
+        if route_stream != current_raw_stream(self.device):   # its memory must outlive this stream's kernels
             route.record_stream(torch.cuda.current_stream(self.device))
         strides = x.stride()
         own_from_x = not hook and not use_logfmt   # (Note [own rows] in ll_combine.py)

@@ -28,11 +28,11 @@ from ...config import _round_up
 from ...group import Group, Topology
 from ...streams import allocate_outputs
 from ..base import DispatchOutput
+from ..kept import Keeper
 from ..reference import dispatch_fields
 from . import settings
 from .header import CMAX, Header
-from .kept import Keeper
-from .launcher import Pointer, Relaunch, next_pow2
+from .launcher import Pointer, Relaunch, current_raw_stream, next_pow2
 from .status import StatusWords
 
 BATCH = 64              # tokens (rows per ring) per flow-control step
@@ -214,7 +214,7 @@ class NVLinkNormal:
         handle; inside a CUDA-graph capture, which cannot wait, a rebuilt plan uses the rings)."""
         recv_src_idx = handle[3]
         kept = self._plans.get(recv_src_idx)
-        stream = self._raw_stream()
+        stream = current_raw_stream(self.device)
         if kept is None:
             plan = plan_from_handle(handle, self.topology.rank, read_shares=not self._capturing())
             self._plans.keep(recv_src_idx, (plan, {stream}))
@@ -230,9 +230,6 @@ class NVLinkNormal:
                     tensor.record_stream(current)
             streams.add(stream)
         return plan
-
-    def _raw_stream(self) -> int:
-        return torch._C._cuda_getCurrentRawStream(self.device.index) if self.device.type == "cuda" else 0
 
     # ---- layout ----------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
@@ -309,7 +306,7 @@ class NVLinkNormal:
         out.handle = (rank_prefix_matrix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
                       send_head)
         out.num_recv_tokens_per_expert_list = aligned_list
-        self._plans.keep(recv_src_idx, (plan, {self._raw_stream()}))
+        self._plans.keep(recv_src_idx, (plan, {current_raw_stream(self.device)}))
         return out
 
     def _call_signature(self, call: Dict[str, int]) -> int:

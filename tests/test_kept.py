@@ -1,10 +1,10 @@
-"""What the NVLink transport keeps with a handle (deep_ep/transport/nvlink/kept.py)."""
+"""What a transport keeps with a handle (deep_ep/transport/kept.py)."""
 import gc
 import weakref
 
 import torch
 
-from deep_ep.transport.nvlink.kept import Keeper
+from deep_ep.transport.kept import Keeper
 
 
 def test_each_keeper_sees_only_its_own_entries():
