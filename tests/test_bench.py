@@ -64,6 +64,21 @@ def test_bench_json_cpu():
     assert proc.stderr.count("[deep_ep.bench] [") == 10
 
 
+def test_bench_profile_cpu():
+    """--profile: each timed operation's host time per call by function, ours beside the baseline's."""
+    proc = _bench("--json", "--profile", "--mode", "normal")
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    ops = json.loads(proc.stdout)["ops"]
+    for name in ("dispatch_bf16", "dispatch_cached", "combine"):
+        for functions in (ops[name]["functions"], ops[name]["baseline_functions"]):
+            (label, total, calls), *rest = functions
+            assert label == "total" and total > 0 and calls == 1 and rest, name
+            assert all(0 <= us <= total for _, us, _ in rest), name
+            assert rest == sorted(rest, key=lambda row: -row[1]), name
+    assert any("all_to_all_single" in row[0] for row in ops["combine"]["baseline_functions"])
+    assert "dispatch BF16 [ours]" in proc.stderr and "dispatch BF16 [baseline]" in proc.stderr
+
+
 def test_bench_plot(tmp_path):
     pytest.importorskip("matplotlib")
     target = tmp_path / "bench.png"

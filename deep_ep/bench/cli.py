@@ -17,7 +17,7 @@ import torch
 from .context import PREFIX, RankContext, VerificationError
 from .low_latency import bench_low_latency
 from .normal import bench_normal
-from .report import format_kernels, format_table, summarise, write_plot
+from .report import format_functions, format_kernels, format_table, summarise, write_plot
 
 # Shapes: DeepSeek-V3 training (normal) and decoding (low-latency) on GPU; small enough for a laptop on CPU.
 GPU_DEFAULTS = dict(tokens=4096, hidden=7168, topk=8, experts=256, ll_tokens=128, ll_experts=288, warmup=10,
@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the table then goes to stderr")
     p.add_argument("--kernels", action="store_true",
                    help="after the table, each operation's kernels and copies with their microseconds per call (GPU)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed calls, as many more of each operation (ours and the baseline) under "
+                        "cProfile; after the table, rank 0's host time per call by function")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="bar chart of the times (needs matplotlib)")
     return p
 
@@ -107,7 +110,8 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[
     if args.num_sms is not None and args.num_sms % 2:
         parser.error(f"--num-sms must be even, got {args.num_sms}")
     plan.update(num_ranks=num_ranks, device=device, backend=backend, num_gpus=num_gpus, modes=modes,
-                transport=args.transport, num_sms=args.num_sms, nvl_bytes=args.nvl_bytes, seed=args.seed)
+                transport=args.transport, num_sms=args.num_sms, nvl_bytes=args.nvl_bytes, seed=args.seed,
+                profile=args.profile)
     return plan
 
 
@@ -249,6 +253,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     table = format_table(report)
     if args.kernels:
         table += "\n" + format_kernels(report)
+    if args.profile:
+        table += "\n" + format_functions(report)
     if args.json:
         print(table, file=sys.stderr, flush=True)
         print(json.dumps(report, indent=2), flush=True)

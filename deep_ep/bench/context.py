@@ -131,6 +131,10 @@ class RankContext:
             for fn, each in zip(fns, times):
                 each["kernel"], each["kernels"] = self._kernel_series(lambda: fn(0))
                 self.barrier()
+        if self.plan.get("profile"):
+            for each, functions in zip(times, self._profile_series(fns, num_inputs)):
+                each["functions"] = functions
+            self.barrier()
         return times
 
     def _flush(self, marked: bool = False) -> None:
@@ -188,6 +192,31 @@ class RankContext:
             series.append((elapsed[skip:], host[which][skip:]))
         return series
 
+    def _profile_series(self, fns: List[Callable[[int], Any]], num_inputs: int) -> List[List[list]]:
+        """For each of `fns`, where its host time goes: `iters` more calls (taking turns as timed) under
+        cProfile, one profiler per function; returns for each its functions taking the most own time, as
+        [name, own microseconds per call, calls per call], the first entry the whole call ("total")."""
+        import cProfile
+        import pstats
+        profilers = [cProfile.Profile() for _ in fns]
+        iters = self.plan["iters"]
+        for call in range(iters):
+            for turn in range(len(fns)):
+                which = (call + turn) % len(fns)
+                profilers[which].enable()
+                fns[which](call % num_inputs)
+                self.sync()
+                profilers[which].disable()
+        tables = []
+        for profiler in profilers:
+            stats = pstats.Stats(profiler).stats
+            rows = sorted(((_function_name(where), own, calls) for where, (_, calls, own, _, _) in stats.items()),
+                          key=lambda row: -row[1])
+            total = sum(row[1] for row in rows)
+            tables.append([["total", total / iters * 1e6, 1.0]] +
+                          [[name, own / iters * 1e6, calls / iters] for name, own, calls in rows[:12]])
+        return tables
+
     def _kernel_series(self, fn: Callable[[], Any]) -> Tuple[List[float], Dict[str, float]]:
         """GPU busy seconds per call over `iters` calls, each after a flush (profiled; flushes left out), and
         each kernel's (or copy's) microseconds per call."""
@@ -213,6 +242,14 @@ class RankContext:
                 reach = end
         return [busy / 1e6 / iters], per_kernel
 
+
+
+def _function_name(where: Tuple[str, int, str]) -> str:
+    """A cProfile entry's function: `module.py:line name`, or the built-in's name."""
+    path, line, name = where
+    if path == "~":
+        return name
+    return f"{path.rsplit('/', 1)[-1]}:{line} {name}"
 
 
 def is_flush(name: str) -> bool:
@@ -261,6 +298,7 @@ def record(results: Dict[str, Any], name: str, times: Dict[str, List[float]], nb
     results[name] = dict(time_us=median_us(times["streamed"]), isolated_us=median_us(times["isolated"]),
                          host_us=median_us(times["host"]) if "host" in times else None,
                          kernel_us=median_us(times["kernel"]) if "kernel" in times else None,
-                         kernels=times.get("kernels"),
+                         kernels=times.get("kernels"), functions=times.get("functions"),
+                         baseline_functions=baseline_times.get("functions") if baseline_times else None,
                          bytes=nbytes, link_bytes=link_bytes,
                          baseline_time_us=median_us(baseline_times["streamed"]) if baseline_times else None)

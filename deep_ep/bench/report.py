@@ -42,6 +42,8 @@ def summarise(plan: Dict[str, Any], result: Dict[str, Any], wall_s: float) -> Di
                                      host_us=mine.get("host_us"), kernel_us=mine.get("kernel_us"),
                                      kernel_us_max_rank=max((r[name].get("kernel_us") or 0 for r in per_rank),
                                                             default=0) or None, kernels=mine.get("kernels"),
+                                     functions=mine.get("functions"),
+                                     baseline_functions=mine.get("baseline_functions"),
                                      time_us_max_rank=max(r[name]["time_us"] for r in per_rank),
                                      time_us_per_rank=[r[name]["time_us"] for r in per_rank],
                                      bytes=mine["bytes"],
@@ -131,6 +133,20 @@ def format_kernels(report: Dict[str, Any]) -> str:
         if kernels:
             parts = sorted(kernels.items(), key=lambda item: -item[1])
             lines.append(f"{entry['label']}: " + ", ".join(f"{name} {us:.1f}" for name, us in parts))
+    return "\n".join(lines)
+
+
+def format_functions(report: Dict[str, Any], top: int = 8) -> str:
+    """Rank 0's host time per operation by function (cProfile's own time, us per call), ours beside the
+    baseline's (runs with --profile)."""
+    lines = []
+    for entry in report["ops"].values():
+        for who, functions in (("ours", entry.get("functions")), ("baseline", entry.get("baseline_functions"))):
+            if not functions:
+                continue
+            total, *rest = functions
+            parts = ", ".join(f"{name} {us:.0f} ({calls:g}x)" for name, us, calls in rest[:top])
+            lines.append(f"{entry['label']} [{who}] {total[1]:.0f} us/call: {parts}")
     return "\n".join(lines)
 
 
