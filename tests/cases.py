@@ -39,6 +39,13 @@ class NormalCase(CaseInputs):
 
 ALL_BIASES = ["none", "one", "two", "by rank"]
 
+CASES_1 = [   # one rank: every row stays here, through the same exchanges
+    NormalCase(name="1r-bf16-worst-cached", tokens=[41], hidden=144, topk=3, experts_per_rank=5, mask_frac=0.2,
+               num_sms=4, worst=True, cached=["fp8_col", "bf16"], biases=["none", "one"], repeat=True),
+    NormalCase(name="1r-fp8-skewed-async", tokens=[17], hidden=256, topk=2, experts_per_rank=3, x="fp8",
+               routing="skewed", alignment=4, num_sms=2, events="async", biases=["two"]),
+]
+
 CASES_2 = [
     NormalCase(name="2r-bf16-worst-cached-biases", tokens=[37, 64], hidden=128, topk=4, experts_per_rank=8, x="bf16",
                mask_frac=0.2, num_sms=8, worst=True, cached=["fp8_col", "bf16", "fp8_i32"], biases=ALL_BIASES,

@@ -20,15 +20,15 @@ import pytest
 import torch
 
 import model
-from cases import CASES_2, CASES_2X2, CASES_3, CASES_4, CASES_6, CASES_8, EDGE_CASES, NormalCase, random_normal_cases
+from cases import CASES_1, CASES_2, CASES_2X2, CASES_3, CASES_4, CASES_6, CASES_8, EDGE_CASES, NormalCase, random_normal_cases
 from compare import report_mismatches
 from dist_utils import run_deterministic, run_under_defaults
 from normal_mode import BUFFER_TIMEOUT_S, NormalChecker, configs, make_sources, nvl_bytes, run_cases
 from randomness import base_seed, generator
 
 
-@pytest.mark.parametrize("world_size,cases", [(2, CASES_2), (3, CASES_3), (4, CASES_4), (6, CASES_6), (8, CASES_8)],
-                         ids=["2ranks", "3ranks", "4ranks", "6ranks", "8ranks"])
+@pytest.mark.parametrize("world_size,cases", [(1, CASES_1), (2, CASES_2), (3, CASES_3), (4, CASES_4), (6, CASES_6),
+                                              (8, CASES_8)], ids=["1rank", "2ranks", "3ranks", "4ranks", "6ranks", "8ranks"])
 def test_intranode(pool, world_size, cases):
     seed = base_seed()
     cases = cases + random_normal_cases(seed, world_size, 3 if world_size <= 4 else 2) + EDGE_CASES.get(world_size, [])

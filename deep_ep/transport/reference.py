@@ -842,7 +842,8 @@ def _split_from_blocks(received: torch.Tensor, recv_splits: Sequence[int], width
     pieces = torch.split(received, [n for count in recv_splits for n in (count, k)])
     rows = torch.cat(pieces[0::2])
     tails = torch.stack(pieces[1::2]).view(len(recv_splits), -1)[:, :width * 8]
-    return rows, tails.contiguous().view(torch.int64).cpu()
+    # (a fresh copy: with one source rank the slice counts as contiguous, its row stride not a multiple of 8)
+    return rows, tails.clone(memory_format=torch.contiguous_format).view(torch.int64).cpu()
 
 
 _NOT_SENT = ("low_latency_combine: topk_idx names an expert that the matching low_latency_dispatch did not send "
