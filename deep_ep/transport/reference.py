@@ -42,9 +42,11 @@ other shapes or another dispatch's handle: the skipping ranks' data exchange mee
 exchange, and every rank raises `CommTimeoutError` naming its exchange. On a repeated low-latency combine, a
 rank whose ids are refused raises alone, after the exchange (the others do not wait for it).
 
-Note [counts beside the rows]: a dispatch's counts for each destination rank (rows per expert of that rank and per
-channel) travel at the end of that rank's block of per-row fields, as a few more byte rows: the header told
-every rank how many rows each rank sends it, so the data exchange can start without a count exchange.
+Note [counts beside the rows]: a dispatch's counts for each destination rank (rows per expert of that rank, and
+the inclusive prefix over channels of the rows for that rank and for its node) travel at the end of that rank's
+block of per-row fields, as a few more byte rows: the header told every rank how many rows each rank sends it,
+so the data exchange can start without a count exchange. The sender writes each field and each tail straight
+to its place in the blocks, the receiver reads them from theirs (one index per field, none per rank).
 
 Note [handle routes]: a dispatch keeps the route of its rows (`_Route`) under the handle's tensor with a row per
 received row, so that its cached dispatches and combines need no host reads besides their own exchanges; a
@@ -103,13 +105,49 @@ class _Packer:
             return torch.empty((num_rows, 0), dtype=torch.uint8, device=device)
         return torch.cat(self.parts, dim=1)
 
-    def unpack(self, packed: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def pack_with_tails(self, destination: torch.Tensor, send_splits: Sequence[int], per_destination: torch.Tensor
+                        ) -> Tuple[torch.Tensor, int]:
+        """The fields in blocks by destination rank (the rows come sorted by `destination`), each block followed
+        by destination d's row of `per_destination` (int32) as `k` more byte rows (Note [counts beside the
+        rows]). Returns the packed rows and k."""
+        row_bytes = self.row_bytes
+        k = _tail_rows(per_destination.shape[1], row_bytes)
+        num_rows = destination.numel()
+        packed = torch.empty((num_rows + len(send_splits) * k, row_bytes), dtype=torch.uint8,
+                             device=destination.device)
+        position = torch.arange(num_rows, device=destination.device) + destination * k
+        offset = 0
+        for part in self.parts:
+            packed[:, offset:offset + part.shape[1]].index_copy_(0, position, part)
+            offset += part.shape[1]
+        tails = packed.new_zeros((len(send_splits), k * row_bytes))
+        tails[:, :per_destination.shape[1] * 4] = rows_as_bytes(per_destination.to(torch.int32).contiguous())
+        packed.index_copy_(0, _tail_positions(send_splits, k, packed.device), tails.view(-1, row_bytes))
+        return packed, k
+
+    def unpack(self, packed: torch.Tensor, position: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        """The fields of the packed rows (of the rows at `position`, if given), each a tensor of its own."""
         out, offset = {}, 0
         for name, dtype, shape, nbytes in self.fields:
-            chunk = packed[:, offset:offset + nbytes].clone(memory_format=torch.contiguous_format)
-            out[name] = chunk.view(dtype).reshape(packed.shape[0], *shape)
+            columns = packed[:, offset:offset + nbytes]
+            chunk = columns.clone(memory_format=torch.contiguous_format) if position is None else \
+                columns.index_select(0, position)
+            out[name] = chunk.view(dtype).reshape(chunk.shape[0], *shape)
             offset += nbytes
         return out
+
+    def unpack_with_tails(self, received: torch.Tensor, recv_splits: Sequence[int], k: int, width: int
+                          ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+        """The inverse of `pack_with_tails` on the receiving side: the fields, and the int32 rows appended to
+        the blocks ([R, width] on the CPU, one per source rank)."""
+        device = received.device
+        num_rows = sum(recv_splits)
+        source = torch.repeat_interleave(torch.arange(len(recv_splits), device=device),
+                                         torch.tensor(list(recv_splits), device=device), output_size=num_rows)
+        fields = self.unpack(received, torch.arange(num_rows, device=device) + source * k)
+        tails = received.index_select(0, _tail_positions(recv_splits, k, device)).view(len(recv_splits), -1)
+        per_source = tails[:, :width * 4].clone(memory_format=torch.contiguous_format).view(torch.int32)
+        return fields, per_source.cpu()
 
 
 def dispatch_fields(x, x_scales, topk_idx, num_channels: int, **more: int) -> Dict[str, int]:
@@ -120,15 +158,38 @@ def dispatch_fields(x, x_scales, topk_idx, num_channels: int, **more: int) -> Di
                 topk=-1 if topk_idx is None else topk_idx.shape[1], num_channels=num_channels, **more)
 
 
-def _channel_counts(mask: torch.Tensor, num_channels: int) -> torch.Tensor:
-    """[cols, C] counts of True per column and channel of `mask` [T, cols] (channel = token // ceil(T/C))."""
+def _tail_rows(width: int, row_bytes: int) -> int:
+    """How many byte rows of `row_bytes` hold `width` int32 values."""
+    return -(-width * 4 // row_bytes)
+
+
+def _tail_positions(splits: Sequence[int], k: int, device: torch.device) -> torch.Tensor:
+    """The rows of the `k`-row tails in blocks of `splits[i] + k` rows."""
+    positions, end = [], 0
+    for count in splits:
+        end += count + k
+        positions.extend(range(end - k, end))
+    return torch.tensor(positions, dtype=torch.int64, device=device)
+
+
+def _prefix_by_channel(mask: torch.Tensor, num_channels: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """From one running count over the tokens of `mask` [T, cols]: the inclusive prefix over channels of each
+    column's Trues ([cols, C] int32; channel = token // ceil(T / C)), and the index of each True among its
+    column's Trues, -1 where False ([T, cols] int32)."""
     num_tokens, cols = mask.shape
-    counts = torch.zeros((num_channels, cols), dtype=torch.int64, device=mask.device)
-    if num_tokens:
-        per_channel = -(-num_tokens // num_channels)
-        channel = torch.arange(num_tokens, device=mask.device) // per_channel
-        counts.index_add_(0, channel, mask.to(torch.int64))
-    return counts.t()
+    if not num_tokens:
+        return (torch.zeros((cols, num_channels), dtype=torch.int32, device=mask.device),
+                torch.empty((0, cols), dtype=torch.int32, device=mask.device))
+    running = torch.cumsum(mask, dim=0, dtype=torch.int32)
+    per_channel = -(-num_tokens // num_channels)
+    last = torch.tensor([min((c + 1) * per_channel, num_tokens) - 1 for c in range(num_channels)],
+                        dtype=torch.int64, device=mask.device)
+    return running.index_select(0, last).t().contiguous(), torch.where(mask, running - 1, -1)
+
+
+def _exclusive(inclusive: torch.Tensor) -> torch.Tensor:
+    """The exclusive prefix along dim 1 of an inclusive one (shifted right by one, 0 first)."""
+    return torch.nn.functional.pad(inclusive[:, :-1], (1, 0))
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
@@ -348,60 +409,62 @@ class ReferenceTransport(Transport):
         agreed = self._start_agreement("dispatch", dispatch_fields(
             x, x_scales, topk_idx, num_channels, num_experts=num_experts,
             has_weights=int(topk_weights is not None)), extra=extra, bad_input=self._refusal(check_values))
-        # counts per destination: [per-expert counts of its experts | its channel counts | node channel counts]
-        channel_counts = _channel_counts(is_token_in_rank, num_channels)             # [R, C]
-        parts = [num_tokens_per_expert.view(num_ranks, experts_per_rank).to(torch.int64), channel_counts]
-        in_node = None
+        # per destination: [per-expert counts of its experts | inclusive channel prefix | of its node's]
+        channel_prefix, send_head = _prefix_by_channel(is_token_in_rank, num_channels)    # [R, C], [T, R]
+        parts = [num_tokens_per_expert.view(num_ranks, experts_per_rank), channel_prefix]
+        in_node = rdma_channel_prefix = send_rdma_head = None
         if topo.is_internode:
             in_node = is_token_in_rank.view(-1, topo.num_nodes, topo.ranks_per_node).any(-1)
-            node_channel_counts = _channel_counts(in_node, num_channels)              # [nodes, C]
-            parts.append(node_channel_counts.repeat_interleave(topo.ranks_per_node, dim=0))
+            rdma_channel_prefix, send_rdma_head = _prefix_by_channel(in_node, num_channels)  # [nodes, C]
+            parts.append(rdma_channel_prefix.repeat_interleave(topo.ranks_per_node, dim=0))
         destination, token = is_token_in_rank.t().nonzero(as_tuple=True)
         outgoing = self._dispatch_rows_to_send(x, x_scales, topk_idx, topk_weights, is_token_in_rank, destination,
                                                token, with_token=True, with_node_mask=topo.is_internode)
         gathered_per_rank = agreed()
-        # every rank knows what every rank receives and every rank's num_worst_tokens (each rank may pass its
-        # own): a rank that would receive more than its value makes all of them refuse together
-        receives, worst = gathered_per_rank[:, :num_ranks].sum(0), gathered_per_rank[:, num_ranks]
-        over = ((worst > 0) & (receives > worst)).nonzero()
-        if over.numel():
-            r = int(over[0])
-            raise ValueError(f"dispatch: num_worst_tokens={int(worst[r])} on rank {r} is smaller than the "
-                             f"{int(receives[r])} tokens it receives")
         # num_tokens_per_rank, the column sums of is_token_in_rank, came to the host with the header: the rows
         # each rank sends to each rank; the counts travel beside the rows (Note [counts beside the rows])
-        sent_per_rank = gathered_per_rank[:, :num_ranks]
-        route = _Route(destination, token, sent_per_rank[topo.rank].tolist(), sent_per_rank[:, topo.rank].tolist(),
+        table = gathered_per_rank.tolist()
+        if any(row[num_ranks] for row in table):
+            self._check_worst_tokens(gathered_per_rank)
+        route = _Route(destination, token, table[topo.rank][:num_ranks], [row[topo.rank] for row in table],
                        self._call_number, [])
         num_recv = sum(route.recv_splits)
         num_rows = num_worst_tokens or num_recv
         recv = self._exchange_dispatch_rows(outgoing, route, num_rows, "dispatch (data exchange)",
                                             per_destination=torch.cat(parts, dim=1))
         received = recv["per_source"]
-        recv_expert_counts = received[:, :experts_per_rank]
-        recv_channel_counts = received[:, experts_per_rank:experts_per_rank + num_channels]
-        per_expert = recv_expert_counts.sum(0)
-        aligned = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
+        per_expert = received[:, :experts_per_rank].sum(0)
+        if expert_alignment > 1:
+            per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
+        recv_channel_prefix = received[:, experts_per_rank:experts_per_rank + num_channels]   # inclusive
         out = self._place_rows(recv, x, x_scales, topk_idx, topk_weights, num_recv, num_rows, experts_per_rank)
 
         rank_prefix_matrix = torch.cumsum(gathered_per_rank[:, :num_ranks], dim=0).to(torch.int32)
         dev = self.device
-        recv_src_idx = torch.full((num_rows,), -1, dtype=torch.int32, device=dev)
-        recv_src_idx[:num_recv] = recv["token"].to(dev)
-        send_head = _positions(is_token_in_rank)
-        channel_prefix = torch.cumsum(channel_counts, dim=1).to(torch.int32)
-        recv_channel_prefix = exclusive_cumsum(recv_channel_counts, dim=1).to(torch.int32)
+        recv_src_idx = _grown(recv["token"].to(dev), num_rows, -1)
         if not topo.is_internode:
-            out.handle = (rank_prefix_matrix.to(dev), channel_prefix, recv_channel_prefix.to(dev),
+            out.handle = (rank_prefix_matrix.to(dev), channel_prefix, _exclusive(recv_channel_prefix).to(dev),
                           recv_src_idx, is_token_in_rank, send_head)
         else:
-            out.handle = self._internode_handle(received, in_node, node_channel_counts, channel_prefix,
-                                                recv_channel_counts, rank_prefix_matrix, recv, num_recv, num_rows,
-                                                is_token_in_rank, experts_per_rank, num_channels,
+            out.handle = self._internode_handle(received, in_node, rdma_channel_prefix, send_rdma_head,
+                                                channel_prefix, recv_channel_prefix, rank_prefix_matrix, recv,
+                                                num_recv, num_rows, is_token_in_rank, experts_per_rank, num_channels,
                                                 worst_rows=num_worst_tokens)
         self._routes.keep(_routing(out.handle, topo.is_internode)[1], route)
-        out.num_recv_tokens_per_expert_list = [] if num_worst_tokens else aligned.tolist()
+        out.num_recv_tokens_per_expert_list = [] if num_worst_tokens else per_expert.tolist()
         return out
+
+    @staticmethod
+    def _check_worst_tokens(gathered_per_rank: torch.Tensor) -> None:
+        """Every rank knows what every rank receives and every rank's num_worst_tokens (each rank may pass its
+        own): a rank that would receive more than its value makes all of them refuse together."""
+        num_ranks = gathered_per_rank.shape[0]
+        receives, worst = gathered_per_rank[:, :num_ranks].sum(0), gathered_per_rank[:, num_ranks]
+        over = ((worst > 0) & (receives > worst)).nonzero()
+        if over.numel():
+            r = int(over[0])
+            raise ValueError(f"dispatch: num_worst_tokens={int(worst[r])} on rank {r} is smaller than the "
+                             f"{int(receives[r])} tokens it receives")
 
     def _dispatch_rows_to_send(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, destination, token,
                                with_token, with_node_mask) -> Tuple[torch.Tensor, "_Packer"]:
@@ -423,7 +486,7 @@ class ReferenceTransport(Transport):
 
     def _exchange_dispatch_rows(self, outgoing: Tuple[torch.Tensor, "_Packer"], route: _Route, num_rows: int,
                                 what: str, per_destination: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
-        """Send `_dispatch_rows_to_send`'s rows, and `per_destination` (a row of int64 per destination rank, with
+        """Send `_dispatch_rows_to_send`'s rows, and `per_destination` (an int32 row per destination rank, with
         fields to pack beside the rows) at the end of each rank's block of fields (Note [counts beside the
         rows]). Returns the received fields by name, `per_source` (a row per source rank) if sent; `x` has
         `num_rows` rows, the received ones first."""
@@ -432,17 +495,16 @@ class ReferenceTransport(Transport):
         recv_x = rows_x.new_empty((num_rows, rows_x.shape[1]))
         pending_x = self.group.all_to_all(recv_x[:num_recv], rows_x, route.recv_splits, route.send_splits, what)
         rows: Dict[str, torch.Tensor] = {}
-        if packer.fields:
-            packed = packer.pack(rows_x.shape[0], rows_x.device)
-            send_splits, recv_splits = route.send_splits, route.recv_splits
-            if per_destination is not None:
-                packed, send_splits, recv_splits = _append_to_blocks(packed, send_splits, recv_splits,
-                                                                     per_destination)
-            received = self._exchange_rows(packed, send_splits, recv_splits, what).wait()
-            if per_destination is not None:
-                received, rows["per_source"] = _split_from_blocks(received, route.recv_splits,
+        if per_destination is not None:
+            packed, k = packer.pack_with_tails(route.destination, route.send_splits, per_destination)
+            received = self._exchange_rows(packed, [n + k for n in route.send_splits],
+                                           [n + k for n in route.recv_splits], what).wait()
+            fields, rows["per_source"] = packer.unpack_with_tails(received, route.recv_splits, k,
                                                                   per_destination.shape[1])
-            rows.update(packer.unpack(received))
+            rows.update(fields)
+        elif packer.fields:
+            packed = packer.pack(rows_x.shape[0], rows_x.device)
+            rows.update(packer.unpack(self._exchange_rows(packed, route.send_splits, route.recv_splits, what).wait()))
         pending_x.wait()
         rows["x"] = recv_x
         return rows
@@ -452,45 +514,41 @@ class ReferenceTransport(Transport):
         recv_x = recv["x"]
         recv_scales = None
         if x_scales is not None:
-            recv_scales = torch.empty((num_rows, x_scales.shape[1]), dtype=x_scales.dtype, device=x.device)
-            recv_scales[:num_recv] = recv["scales"].to(x.device)
+            recv_scales = _grown(recv["scales"].to(x.device), num_rows, None)
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
-            first = self.topology.rank * experts_per_rank
-            ids = recv["topk_idx"].to(x.device)
-            local = (ids >= first) & (ids < first + experts_per_rank)
-            recv_topk_idx = torch.full((num_rows, topk_idx.shape[1]), -1, dtype=topk_idx.dtype, device=x.device)
-            recv_topk_idx[:num_recv] = torch.where(local, ids - first, torch.full_like(ids, -1))
+            ids = recv["topk_idx"].to(x.device) - self.topology.rank * experts_per_rank
+            local = (ids >= 0) & (ids < experts_per_rank)
+            recv_topk_idx = _grown(torch.where(local, ids, -1), num_rows, -1)
             if topk_weights is not None:
-                weights = recv["topk_weights"].to(x.device)
-                recv_topk_weights = torch.zeros((num_rows, topk_idx.shape[1]), dtype=torch.float32, device=x.device)
-                recv_topk_weights[:num_recv] = torch.where(local, weights, torch.zeros_like(weights))
+                recv_topk_weights = _grown(torch.where(local, recv["topk_weights"].to(x.device), 0.0), num_rows, 0.0)
         return DispatchOutput(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, None, None)
 
-    def _internode_handle(self, received, in_node, node_channel_counts, channel_prefix, recv_channel_counts,
-                          rank_prefix_matrix, recv, num_recv, num_rows, is_token_in_rank, experts_per_rank,
-                          num_channels, worst_rows: int = 0):
+    def _internode_handle(self, received, in_node, rdma_channel_prefix, send_rdma_head, channel_prefix,
+                          recv_channel_prefix, rank_prefix_matrix, recv, num_recv, num_rows, is_token_in_rank,
+                          experts_per_rank, num_channels, worst_rows: int = 0):
+        """The internode handle from what came beside the rows: each source rank's inclusive channel prefix of
+        its rows here (`recv_channel_prefix` [R, C]) and of its node's rows towards this node (in `received`)."""
         topo, dev = self.topology, self.device
         column = experts_per_rank + num_channels
-        # node-level counts that the rank with our local index on each node sent towards our node
+        # node-level prefix that the rank with our local index on each node sent towards our node
         same_local = torch.arange(topo.num_nodes, device=received.device) * topo.ranks_per_node + topo.local_rank
-        recv_node_channel_counts = received[same_local, column:column + num_channels]       # [nodes, C]
-        recv_rdma_channel_prefix = torch.cumsum(recv_node_channel_counts, dim=1).to(torch.int32)
-        recv_rdma_rank_prefix_sum = torch.cumsum(recv_node_channel_counts.sum(1), dim=0).to(torch.int32)
-        rank_start = exclusive_cumsum(recv_channel_counts.sum(1))
-        recv_gbl_channel_prefix = (rank_start[:, None] + exclusive_cumsum(recv_channel_counts, dim=1)).to(torch.int32)
+        recv_rdma_channel_prefix = received[same_local, column:column + num_channels]       # [nodes, C]
+        recv_per_node = recv_rdma_channel_prefix[:, -1]
+        recv_rdma_rank_prefix_sum = torch.cumsum(recv_per_node, dim=0).to(torch.int32)
+        recv_per_rank = recv_channel_prefix[:, -1]
+        rank_start = exclusive_cumsum(recv_per_rank)
+        recv_gbl_channel_prefix = (rank_start[:, None] + _exclusive(recv_channel_prefix)).to(torch.int32)
         recv_gbl_rank_prefix_sum = rank_prefix_matrix[:, topo.rank].contiguous()
         meta = torch.zeros((num_rows, 2), dtype=torch.int32, device="cpu")
-        source = _segment_ids(recv_channel_counts.sum(1).tolist())                        # of each received row
+        source = _segment_ids(recv_per_rank.tolist())                                      # of each received row
         meta[:num_recv, 0] = (source // topo.ranks_per_node).to(torch.int32)
         meta[:num_recv, 1] = recv["node_mask"].cpu()
         recv_src_meta = meta.view(torch.uint8).view(num_rows, 8)
-        send_rdma_head = _positions(in_node)
-        send_nvl_head = self._send_nvl_head(is_token_in_rank, in_node, recv_node_channel_counts.sum(1))
+        send_nvl_head = self._send_nvl_head(is_token_in_rank, in_node, recv_per_node)
         if worst_rows > send_nvl_head.shape[0]:   # spec 5.7: the RDMA-received count is num_worst_tokens (rows of -1)
             padding = send_nvl_head.new_full((worst_rows - send_nvl_head.shape[0], send_nvl_head.shape[1]), -1)
             send_nvl_head = torch.cat([send_nvl_head, padding])
-        rdma_channel_prefix = torch.cumsum(node_channel_counts, dim=1).to(torch.int32)
         return (is_token_in_rank, rdma_channel_prefix, channel_prefix, recv_rdma_channel_prefix.to(dev),
                 recv_rdma_rank_prefix_sum.to(dev), recv_gbl_channel_prefix.to(dev), recv_gbl_rank_prefix_sum.to(dev),
                 recv_src_meta.to(dev), send_rdma_head, send_nvl_head.to(dev))
@@ -813,37 +871,14 @@ def _rows_to_return(layout_range: torch.Tensor, slots: int) -> Tuple[torch.Tenso
     return expert * slots + position, counts.sum(0).tolist()
 
 
-def _append_to_blocks(packed: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-                      per_destination: torch.Tensor) -> Tuple[torch.Tensor, List[int], List[int]]:
-    """`packed` (byte rows in blocks of `send_splits` rows, one per destination rank) with destination d's row
-    of `per_destination` appended to its block as a few more byte rows; the splits that this gives both ways."""
-    extra = _as_block_rows(per_destination, packed.shape[1])
-    pieces = []
-    for block, tail in zip(torch.split(packed, list(send_splits)), extra):
-        pieces += [block, tail]
-    k = extra.shape[1]
-    return torch.cat(pieces), [n + k for n in send_splits], [n + k for n in recv_splits]
-
-
-def _as_block_rows(per_destination: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """[R, k, row_bytes] uint8: each rank's int64 row in k byte rows (the last one zero-padded)."""
-    as_bytes = rows_as_bytes(per_destination.to(torch.int64).contiguous())
-    k = -(-as_bytes.shape[1] // row_bytes)
-    padded = as_bytes.new_zeros((as_bytes.shape[0], k * row_bytes))
-    padded[:, :as_bytes.shape[1]] = as_bytes
-    return padded.view(as_bytes.shape[0], k, row_bytes)
-
-
-def _split_from_blocks(received: torch.Tensor, recv_splits: Sequence[int], width: int
-                       ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of `_append_to_blocks` on the receiving side: the byte rows without the appended ones, and
-    the appended int64 rows ([R, width], one per source rank)."""
-    k = -(-width * 8 // received.shape[1])
-    pieces = torch.split(received, [n for count in recv_splits for n in (count, k)])
-    rows = torch.cat(pieces[0::2])
-    tails = torch.stack(pieces[1::2]).view(len(recv_splits), -1)[:, :width * 8]
-    # (a fresh copy: with one source rank the slice counts as contiguous, its row stride not a multiple of 8)
-    return rows, tails.clone(memory_format=torch.contiguous_format).view(torch.int64).cpu()
+def _grown(rows: torch.Tensor, num_rows: int, fill: Optional[float]) -> torch.Tensor:
+    """`rows` with rows of `fill` (None: left as allocated) appended up to `num_rows` rows."""
+    if rows.shape[0] == num_rows:
+        return rows
+    shape = (num_rows, *rows.shape[1:])
+    grown = rows.new_empty(shape) if fill is None else rows.new_full(shape, fill)
+    grown[:rows.shape[0]] = rows
+    return grown
 
 
 _NOT_SENT = ("low_latency_combine: topk_idx names an expert that the matching low_latency_dispatch did not send "
