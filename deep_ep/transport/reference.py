@@ -67,7 +67,7 @@ from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 from .reference_fixed_size import FixedSizeLowLatency
 from .kept import Keeper
 from .reference_rows import (exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers, side_by_side,
-                             weighted_sum_in_slot_order)
+                             weighted_sum_of_selections)
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
@@ -103,7 +103,7 @@ class _Packer:
     def pack(self, num_rows: int, device: torch.device) -> torch.Tensor:
         if not self.parts:
             return torch.empty((num_rows, 0), dtype=torch.uint8, device=device)
-        return torch.cat(self.parts, dim=1)
+        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts, dim=1)
 
     def pack_with_tails(self, destination: torch.Tensor, send_splits: Sequence[int], per_destination: torch.Tensor
                         ) -> Tuple[torch.Tensor, int]:
@@ -130,8 +130,12 @@ class _Packer:
         out, offset = {}, 0
         for name, dtype, shape, nbytes in self.fields:
             columns = packed[:, offset:offset + nbytes]
-            chunk = columns.clone(memory_format=torch.contiguous_format) if position is None else \
-                columns.index_select(0, position)
+            if position is not None:
+                chunk = columns.index_select(0, position)
+            elif nbytes == packed.shape[1] and packed.is_contiguous():   # (the only field: as received)
+                chunk = columns
+            else:
+                chunk = columns.clone(memory_format=torch.contiguous_format)
             out[name] = chunk.view(dtype).reshape(chunk.shape[0], *shape)
             offset += nbytes
         return out
@@ -142,9 +146,7 @@ class _Packer:
         the blocks ([R, width] on the CPU, one per source rank)."""
         device = received.device
         num_rows = sum(recv_splits)
-        source = torch.repeat_interleave(torch.arange(len(recv_splits), device=device),
-                                         torch.tensor(list(recv_splits), device=device), output_size=num_rows)
-        fields = self.unpack(received, torch.arange(num_rows, device=device) + source * k)
+        fields = self.unpack(received, torch.arange(num_rows, device=device) + _segment_ids(recv_splits, device) * k)
         tails = received.index_select(0, _tail_positions(recv_splits, k, device)).view(len(recv_splits), -1)
         per_source = tails[:, :width * 4].clone(memory_format=torch.contiguous_format).view(torch.int32)
         return fields, per_source.cpu()
@@ -728,7 +730,7 @@ class ReferenceTransport(Transport):
 
         slots = num_ranks * num_max_tokens
         dev = x.device
-        _, recv_x, recv_scales = low_latency_receive_buffers(experts_per_rank, slots, hidden, options, dev)
+        recv_rows, recv_x, recv_scales = low_latency_receive_buffers(experts_per_rank, slots, hidden, options, dev)
         # filled by the receive, as the GPU transports' kernels fill them
         recv_count = torch.zeros(experts_per_rank, dtype=torch.int32, device=dev)
         layout_range = torch.zeros((experts_per_rank, num_ranks), dtype=torch.int64, device=dev)
@@ -762,10 +764,11 @@ class ReferenceTransport(Transport):
             group_start = exclusive_cumsum(counts.flatten())
             position = begin[source, local_expert] + torch.arange(group.numel(), device="cpu") - group_start[group]
             e, p = local_expert.to(dev), position.to(dev)
+            row = e * slots + p
             if remembered is not None:   # in the order a combine returns them: by source, expert, slot
-                remembered.received[:] = [e * slots + p, counts.sum(1).tolist()]
-            _put(recv_x, e, p, data.to(dev))
-            src_info[e, p] = token_index.to(dev).view(-1)
+                remembered.received[:] = [row, counts.sum(1).tolist()]
+            _copy_rows(recv_rows, row, data.to(dev))
+            src_info.view(-1).index_copy_(0, row, token_index.to(dev).view(-1))
             if options.use_fp8:
                 recv_scales[e, p] = pack_ue8m0(scales[0].to(dev)) if options.use_ue8m0 else scales[0].to(dev)
             recv_count.copy_(rows_per_expert.to(torch.int32))
@@ -843,13 +846,7 @@ class ReferenceTransport(Transport):
                 token_of, slot_of, row = _rows_in_sent_order(sent, topk_idx, valid, values.shape[0])
             else:
                 token_of, slot_of, row = _rows_by_key(back, topk_idx, valid, num_max_tokens, out.device)
-            # an unused selection reads a zero row with weight +0: it adds +0 to a sum that starts at +0
-            padded = torch.cat([values, values.new_zeros((1, hidden))])
-            row_of = torch.full(valid.shape, values.shape[0], dtype=torch.int64, device=out.device)
-            row_of[token_of, slot_of] = row
-            weights = torch.where(valid, topk_weights.float(), 0.0)
-            rows = _take(padded, row_of.view(-1)).view(num_tokens, topk_idx.shape[1], hidden)
-            out.copy_(weighted_sum_in_slot_order(rows, weights).to(torch.bfloat16))
+            out.copy_(weighted_sum_of_selections(values, row, token_of, slot_of, topk_weights.float()))
             if wait_stats is not None:
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
 
@@ -931,20 +928,18 @@ def _occurrence(keys: torch.Tensor) -> torch.Tensor:
     return occurrence
 
 
-def _segment_ids(lengths: Sequence[int]) -> torch.Tensor:
-    """[sum(lengths)] int64 on the CPU: i repeated lengths[i] times."""
-    ids = torch.zeros(sum(lengths), dtype=torch.int64, device="cpu")
-    bounds = torch.tensor(lengths, dtype=torch.int64, device="cpu").cumsum(0)[:-1]
-    bounds = bounds[bounds < ids.numel()]
-    ids.index_add_(0, bounds, torch.ones_like(bounds))
-    return ids.cumsum(0)
+def _segment_ids(lengths: Sequence[int], device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """[sum(lengths)] int64: i repeated lengths[i] times."""
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                   torch.tensor(list(lengths), dtype=torch.int64, device=device),
+                                   output_size=sum(lengths))
 
 
-def _put(target: torch.Tensor, first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor) -> None:
-    """`target[first, second] = rows` for any dtype (float8 is written as bytes)."""
+def _copy_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """`target[index] = rows` (2-D, one row per index) for any dtype (float8 is written as bytes)."""
     if target.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         target, rows = target.view(torch.uint8), rows.view(torch.uint8)
-    target[first, second] = rows
+    target.index_copy_(0, index, rows)
 
 
 def _now_ns() -> int:

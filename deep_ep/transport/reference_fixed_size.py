@@ -133,5 +133,5 @@ class FixedSizeLowLatency:
             row = (owner * N + token) * topk + slot
             rows = torch.where(valid[:, :, None], values[row.view(-1)].view(num_tokens, topk, hidden), 0)
             weights = torch.where(valid, topk_weights.float(), 0.0)
-            out.copy_(weighted_sum_in_slot_order(rows, weights).to(torch.bfloat16))
+            out.copy_(weighted_sum_in_slot_order(rows, weights))
         return receive

@@ -17,14 +17,54 @@ def exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
 def weighted_sum_in_slot_order(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """float32 `[T, H]`: the sum over the top-k slots, in ascending slot order from +0, of each slot's row of
     `rows` (`[T, K, H]`, bfloat16) as float32 times its weight (`weights` `[T, K]` float32), each product
-    rounded before its add: the low-latency combine's order. Two operations a slot (the product, into one
-    float32 tensor reused, and the add), after one gather of all slots' rows by the caller."""
-    total = torch.zeros((rows.shape[0], rows.shape[2]), dtype=torch.float32, device=rows.device)
-    product = torch.empty_like(total)
-    for k in range(rows.shape[1]):
-        torch.mul(rows[:, k], weights[:, k, None], out=product)   # (bfloat16 to float32 is exact)
-        total += product
+    rounded before its add: the low-latency combine's order. The products in one operation, then an add a
+    slot."""
+    num_tokens, topk, hidden = rows.shape
+    if topk == 0:
+        return torch.zeros((num_tokens, hidden), dtype=torch.float32, device=rows.device)
+    products = rows.to(torch.float32, copy=True)   # (bfloat16 to float32 is exact)
+    products.mul_(weights.unsqueeze(-1))
+    total = products[:, 0] + 0.0   # (+0 first: a sum of -0 products is +0, as from +0)
+    for k in range(1, topk):
+        total += products[:, k]
     return total
+
+
+def weighted_sum_of_selections(values: torch.Tensor, row: torch.Tensor, token: torch.Tensor, slot: torch.Tensor,
+                               weights: torch.Tensor) -> torch.Tensor:
+    """`weighted_sum_in_slot_order` of `[T, K, H]` rows that hold, for each selection i, `values[row[i]]` at
+    (token[i], slot[i]), and zeros elsewhere (`weights` `[T, K]` float32; selections distinct). On the CPU by
+    `sum_by_index_add`, elsewhere by `sum_laid_out`: both give these bits."""
+    if values.device.type == "cpu":
+        return sum_by_index_add(values, row, token, slot, weights)
+    return sum_laid_out(values, row, token, slot, weights)
+
+
+def sum_by_index_add(values: torch.Tensor, row: torch.Tensor, token: torch.Tensor, slot: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+    """`weighted_sum_of_selections`: each selection's product, added into its token's row by one `index_add_`
+    in (token, slot) order, which the CPU kernel keeps for the adds into a row (a slot without a selection
+    would add +0, which leaves a sum from +0 as it is). Not for GPUs, whose `index_add_` has no fixed order."""
+    num_tokens, topk = weights.shape
+    key = token * topk + slot
+    order = torch.argsort(key)
+    products = values.index_select(0, row[order]).to(torch.float32)
+    products.mul_(weights.reshape(-1)[key[order]].unsqueeze(1))
+    total = torch.zeros((num_tokens, values.shape[1]), dtype=torch.float32, device=values.device)
+    return total.index_add_(0, token[order], products)
+
+
+def sum_laid_out(values: torch.Tensor, row: torch.Tensor, token: torch.Tensor, slot: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """`weighted_sum_of_selections` by laying the rows out as `[T, K, H]` (zeros, weight +0 where a slot has
+    no selection) for `weighted_sum_in_slot_order`."""
+    num_tokens, topk = weights.shape
+    key = token * topk + slot
+    rows = values.new_zeros((num_tokens * topk, values.shape[1]))
+    rows[key] = values[row]
+    used = torch.zeros(num_tokens * topk, dtype=torch.float32, device=values.device)
+    used[key] = weights.reshape(-1)[key]
+    return weighted_sum_in_slot_order(rows.view(num_tokens, topk, values.shape[1]), used.view(num_tokens, topk))
 
 
 def gather_side_by_side(parts: List[torch.Tensor], index: torch.Tensor, beside: Sequence[torch.Tensor] = ()
