@@ -406,9 +406,10 @@ def main() -> int:
     versions = _versions()
     print(" ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
     rows: List[Dict[str, Any]] = []
-    for ranks in args.ranks:
+    for ranks in args.ranks:   # each rank count's table (and the JSON so far) as soon as it is measured
         ours = _measure(args, ranks, None)
         theirs = _measure(args, ranks, args.against) if args.against else None
+        measured = []
         for i, record in enumerate(ours["records"]):
             row = dict(ranks=ranks, **{k: v for k, v in record.items() if k not in ("layers", "profile")})
             if theirs is not None:
@@ -416,13 +417,23 @@ def main() -> int:
                 assert (other["operation"], other["flags"]) == (record["operation"], record["flags"])
                 row["against_us"] = other["host_us"]
                 row["against_checked"] = other["checked"]
-            rows.append(row)
+            measured.append(row)
             for extra in ("layers", "profile"):
                 if record.get(extra):
                     print(f"--- {extra}: {record['operation']} ({ranks} ranks) ---\n{record[extra]}")
+        _print_table(measured, args)
+        rows += measured
+        if args.json:
+            _write_json(rows, args, versions)
     failed = [r for r in rows if not r["checked"]]
+    if failed:
+        print(f"outputs differ from untimed calls on the same inputs: {len(failed)} row(s)")
+    return 1 if failed else 0
+
+
+def _print_table(rows: List[Dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"\nhost time per eager call, us (median of {args.calls} calls, rank 0; GPU kept busy)"
-          + (f"; 'before': {args.against}" if args.against else ""))
+          + (f"; 'before': {args.against}" if args.against else ""), flush=True)
     head = f"{'ranks':>5s} {'operation':46s} {'flags':38s} {'us':>7s}"
     print(head + (f" {'before':>7s} {'ratio':>6s}" if args.against else "") + f" {'limit':>6s}")
     for r in rows:
@@ -431,18 +442,17 @@ def main() -> int:
             ratio = (r["host_us"] / r["against_us"]) if r["host_us"] and r["against_us"] else None
             line += f" {_fmt(r['against_us'])} {'' if ratio is None else f'{ratio:6.2f}':>6s}"
         limit = LIMITS.get(r["operation"])
-        print(line + f" {'' if limit is None else limit:>6}" + ("" if r["checked"] else "  OUTPUT MISMATCH"))
-    if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True).stdout.strip()
-        args.json.write_text(json.dumps(dict(
-            figure="host time per eager call (median, rank 0, GPU kept busy), us; the idle-gap row: GPU idle us",
-            date=datetime.date.today().isoformat(), commit=commit, against=args.against, **versions,
-            command="python benchmarks/host_overhead.py " + " ".join(sys.argv[1:]), calls=args.calls,
-            records=rows), indent=1) + "\n")
-    if failed:
-        print(f"outputs differ from untimed calls on the same inputs: {len(failed)} row(s)")
-    return 1 if failed else 0
+        print(line + f" {'' if limit is None else limit:>6}" + ("" if r["checked"] else "  OUTPUT MISMATCH"), flush=True)
+
+
+def _write_json(rows: List[Dict[str, Any]], args: argparse.Namespace, versions: Dict[str, str]) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True).stdout.strip()
+    args.json.write_text(json.dumps(dict(
+        figure="host time per eager call (median, rank 0, GPU kept busy), us; the idle-gap row: GPU idle us",
+        date=datetime.date.today().isoformat(), commit=commit, against=args.against, **versions,
+        command="python benchmarks/host_overhead.py " + " ".join(sys.argv[1:]), calls=args.calls,
+        records=rows), indent=1) + "\n")
 
 
 def _fmt(value: Optional[float]) -> str:

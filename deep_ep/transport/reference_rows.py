@@ -43,7 +43,7 @@ def weighted_sum_of_selections(values: torch.Tensor, row: torch.Tensor, token: t
 def sum_by_index_add(values: torch.Tensor, row: torch.Tensor, token: torch.Tensor, slot: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:
     """`weighted_sum_of_selections`: each selection's product, added into its token's row by one `index_add_`
-    in (token, slot) order, which the CPU kernel keeps for the adds into a row (a slot without a selection
+    in (token, slot) order: torch documents its adds as made in the order of the index (a slot without a selection
     would add +0, which leaves a sum from +0 as it is). Not for GPUs, whose `index_add_` has no fixed order."""
     num_tokens, topk = weights.shape
     key = token * topk + slot
