@@ -71,15 +71,18 @@ from .reference_rows import (exclusive_cumsum, gather_side_by_side, low_latency_
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
-# rows are selected as integers of their element size: index_select has no kernel for some dtypes (float8,
-# unsigned ints in older releases), and is faster for 16-bit integers than for 16-bit floats on CPUs
+# rows of dtypes index_select has no kernel for (float8, unsigned ints in older releases) are selected as
+# integers of their element size
+_SELECTABLE = {torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int16, torch.int32,
+               torch.int64, torch.uint8, torch.bool}
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`t.index_select(0, index)` for any dtype (rows moved as integers, except for tensors with autograd history)."""
+    """`t.index_select(0, index)` for any dtype (rows of other dtypes moved as integers, except for tensors with
+    autograd history)."""
     wider = t.element_size() == 16   # viewed as twice as many int64: needs a contiguous last dim
-    if t.requires_grad or (wider and t.stride(-1) != 1):
+    if t.dtype in _SELECTABLE or t.requires_grad or (wider and t.stride(-1) != 1):
         return t.index_select(0, index)
     return t.view(_INT_OF_SIZE[t.element_size()]).index_select(0, index).view(t.dtype)
 
