@@ -241,22 +241,24 @@ class Group:
         if not output.is_contiguous():
             raise ValueError("all_to_all: output must be contiguous")
         # with `ranks` the blocks of the other ranks are not received: staged with the output's contents
-        staged_out = self._stage(rows_as_bytes(output), empty=ranks is None)
+        output_bytes = rows_as_bytes(output)
+        staged_out = self._stage(output_bytes, empty=ranks is None)
         staged_in = self._stage(rows_as_bytes(input.contiguous()))
+        filled = (lambda: output) if staged_out is output_bytes else (lambda: _filled(output, staged_out))
         if ranks is None:
             with self._starting(what):
                 work = dist.all_to_all_single(staged_out, staged_in,
                                               list(output_splits) if output_splits is not None else None,
                                               list(input_splits) if input_splits is not None else None,
                                               group=self.group, async_op=True)
-            return Pending(self, [(work, None)], what, staged_out, lambda: _filled(output, staged_out))
+            return Pending(self, [(work, None)], what, staged_out, filled)
         sends, receives = _blocks(staged_in, input_splits, self.size), _blocks(staged_out, output_splits, self.size)
         staged_out_own = receives[self.rank]
         staged_out_own.copy_(sends[self.rank])
         peers = [r for r in ranks if r != self.rank]
         works = self._point_to_point({r: sends[r] for r in peers if sends[r].numel()},
                                      {r: receives[r] for r in peers if receives[r].numel()}, what)
-        return Pending(self, works, what, staged_out, lambda: _filled(output, staged_out))
+        return Pending(self, works, what, staged_out, filled)
 
     def barrier(self, what: str, ranks: Optional[Sequence[int]] = None) -> None:
         """Wait for the ranks (`ranks`, default all; through an mpi4py communicator: all of them, unbounded). A
@@ -462,10 +464,8 @@ def _blocks(rows: torch.Tensor, splits: Optional[Sequence[int]], size: int) -> L
 
 
 def _filled(output: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
-    """`output` with the bytes received into `staged` (the same memory unless the backend needed a copy)."""
-    target = rows_as_bytes(output)
-    if target.data_ptr() != staged.data_ptr():
-        target.copy_(staged)
+    """`output` with the bytes received into `staged` (staged on another device: the backend's)."""
+    rows_as_bytes(output).copy_(staged)
     return output
 
 
