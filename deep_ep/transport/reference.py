@@ -616,9 +616,18 @@ class ReferenceTransport(Transport):
         route = self._route_of(handle)
         topk = -1 if topk_weights is None else topk_weights.shape[1]
         # the biases are this rank's own, added after the exchange: ranks may differ in passing them
-        agreed = self._start_agreement_on_route("combine", dict(hidden=x.shape[1], topk=topk,
-                                                                num_channels=num_channels), route)
-        # f32(bias0) + f32(bias1) in one add, an absent bias +0 (two -0 biases give -0, as in DeepEP)
+        self._start_agreement_on_route("combine", dict(hidden=x.shape[1], topk=topk, num_channels=num_channels),
+                                       route)()
+        recv_per_source, send_back = route.recv_splits, route.send_splits
+        num_recv = sum(recv_per_source)
+        # the rows go back as they are (already grouped by source rank), the weights in a second exchange
+        pending = self._exchange_rows(x[:num_recv], recv_per_source, send_back, "combine (data exchange)")
+        pending_weights = None
+        if topk_weights is not None:
+            pending_weights = self._exchange_rows(topk_weights[:num_recv], recv_per_source, send_back,
+                                                  "combine (weight exchange)")
+        # the sums start while the rows travel: f32(bias0) + f32(bias1) in one add, an absent bias +0 (two -0
+        # biases give -0, as in DeepEP)
         present = [bias.float() for bias in biases if bias is not None]
         if len(present) == 2:
             combined = present[0] + present[1]
@@ -626,18 +635,10 @@ class ReferenceTransport(Transport):
             combined = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
             if present:
                 combined += present[0]
-        combined_weights = None
+        combined_weights = weights = None
         if topk_weights is not None:
             combined_weights = torch.zeros((num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
-        agreed()
-        recv_per_source, send_back = route.recv_splits, route.send_splits
-        num_recv = sum(recv_per_source)
-        # the rows go back as they are (already grouped by source rank), the weights in a second exchange
-        pending = self._exchange_rows(x[:num_recv], recv_per_source, send_back, "combine (data exchange)")
-        weights = None
-        if topk_weights is not None:
-            weights = self._exchange_rows(topk_weights[:num_recv], recv_per_source, send_back,
-                                          "combine (weight exchange)").wait()
+            weights = pending_weights.wait()
         values = pending.wait()
         token = route.token
         bounds = [0, *itertools.accumulate(send_back)]
