@@ -837,7 +837,6 @@ class ReferenceTransport(Transport):
         if bad_input is not None:   # an agreed call: the others do not wait for this rank's refusal
             wait()
             raise bad_input
-        num_tokens = topk_idx.shape[0]
 
         def receive() -> None:
             received_x, back, waited = wait()
