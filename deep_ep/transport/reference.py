@@ -287,7 +287,7 @@ class ReferenceTransport(Transport):
             gathered = pending.wait()
             if bad_input is not None:
                 raise bad_input
-            self._check_headers(op, fields, gathered.tolist(), len(values), ranks)
+            self._check_headers(op, fields, gathered[:, :_HEADER_FIELDS].tolist(), len(values), ranks)
             return gathered[:, _HEADER_FIELDS:]
         if bad_input is not None:   # nothing of this rank's may run on values it refused
             finish()
@@ -305,7 +305,8 @@ class ReferenceTransport(Transport):
 
     def _check_headers(self, op: str, fields: Dict[str, int], gathered: List[List[int]], num_values: int,
                        ranks: Optional[List[int]]) -> None:
-        """Raise on every rank if a rank refused its input values or called with another operation or shapes."""
+        """Raise on every rank if a rank refused its input values or called with another operation or shapes
+        (`gathered`: every rank's header fields, without the extra values)."""
         taking_part = list(range(self.topology.num_ranks)) if ranks is None else ranks
         refused = [rank for rank in taking_part if gathered[rank][_HEADER_FIELDS - 1]]
         if refused:
