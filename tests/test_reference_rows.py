@@ -1,12 +1,13 @@
-"""The low-latency combine's weighted sums (deep_ep/transport/reference_rows.py) against a plain float32 loop:
-every way of computing them gives the bits of adding, from +0, each selection's rounded product in slot order."""
+"""Pieces of the reference transport (deep_ep/transport/reference_rows.py): the low-latency combine's weighted
+sums against a plain float32 loop (every way of computing them gives the bits of adding, from +0, each
+selection's rounded product in slot order), and the field packer against the tensors it packed."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from deep_ep.transport.reference_rows import (sum_by_index_add, sum_laid_out, weighted_sum_in_slot_order,
+from deep_ep.transport.reference_rows import (FieldPacker, sum_by_index_add, sum_laid_out, weighted_sum_in_slot_order,
                                               weighted_sum_of_selections)
 from randomness import base_seed, bits, generator
 
@@ -63,3 +64,40 @@ def test_slot_order_sum_of_negative_zeros_is_positive_zero():
     weights = torch.tensor([[1.0, -0.0, 2.0], [-0.0, -0.0, -0.0]])
     total = weighted_sum_in_slot_order(rows, weights)
     assert torch.equal(bits(total), bits(torch.zeros(2, 8))), "a sum from +0 of -0 products must be +0"
+
+
+def _fields(gen: torch.Generator, num_rows: int, topk: int, num_scales: int):
+    """Per-row tensors of several dtypes and widths (odd ones included), random bits."""
+    return {"scales": torch.randn((num_rows, num_scales), generator=gen),
+            "token": torch.randint(-2 ** 31, 2 ** 31 - 1, (num_rows,), generator=gen, dtype=torch.int32),
+            "topk_idx": torch.randint(-1, 1 << 40, (num_rows, topk), generator=gen),
+            "flags": torch.randint(0, 256, (num_rows, 3), generator=gen, dtype=torch.uint8),
+            "halves": torch.randn((num_rows, 5, 1), generator=gen).to(torch.bfloat16)}
+
+
+@pytest.mark.parametrize("topk,num_scales,names", [(8, 4, None), (3, 7, None), (1, 1, ("token",)),
+                                                   (2, 3, ("flags", "halves")), (5, 2, ("scales",))])
+def test_field_packer_round_trip_in_blocks_with_counts(topk, num_scales, names):
+    seed = base_seed()
+    gen = generator(seed, topk, num_scales, names)
+    splits = torch.randint(0, 6, (5,), generator=gen).tolist()
+    splits[1] = 0   # a destination without rows
+    fields = _fields(gen, sum(splits), topk, num_scales)
+    fields = {name: fields[name] for name in (names or fields)}
+    counts = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(splits), 9), generator=gen, dtype=torch.int32)
+    packer = FieldPacker()
+    for name, rows in fields.items():
+        packer.add(name, rows)
+    widest = max(rows.element_size() for rows in fields.values())
+    assert packer.row_bytes % widest == 0
+    packed, k = packer.pack_with_counts(splits, counts)
+    assert packed.shape == (sum(splits) + len(splits) * k, packer.row_bytes), seed
+    # what the receiver sees is the sender's blocks; both sides know the layout from the same fields
+    got, got_counts = packer.unpack_with_counts(packed, splits, k, counts.shape[1])
+    assert torch.equal(got_counts, counts), f"seed={seed}: counts"
+    for name, rows in fields.items():
+        assert got[name].dtype == rows.dtype and got[name].shape == rows.shape, (seed, name)
+        assert torch.equal(bits(got[name]), bits(rows)), f"seed={seed}: field {name}"
+    plain = packer.unpack(packer.pack())
+    for name, rows in fields.items():
+        assert torch.equal(bits(plain[name]), bits(rows)), f"seed={seed}: field {name} without counts"

@@ -66,8 +66,8 @@ from ..streams import capturing
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 from .reference_fixed_size import FixedSizeLowLatency
 from .kept import Keeper
-from .reference_rows import (exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers, side_by_side,
-                             weighted_sum_of_selections)
+from .reference_rows import (FieldPacker, exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers,
+                             side_by_side, weighted_sum_of_selections)
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
@@ -87,94 +87,12 @@ def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[t.element_size()]).index_select(0, index).view(t.dtype)
 
 
-class _Packer:
-    """Packs several per-row tensors into one byte matrix and unpacks them on the other side."""
-
-    def __init__(self) -> None:
-        self.fields: List[Tuple[str, torch.dtype, Tuple[int, ...], int]] = []
-        self.parts: List[torch.Tensor] = []
-
-    def add(self, name: str, rows: torch.Tensor) -> None:
-        as_bytes = rows_as_bytes(rows.contiguous())
-        self.fields.append((name, rows.dtype, tuple(rows.shape[1:]), as_bytes.shape[1]))
-        self.parts.append(as_bytes)
-
-    @property
-    def row_bytes(self) -> int:
-        return sum(f[3] for f in self.fields)
-
-    def pack(self, num_rows: int, device: torch.device) -> torch.Tensor:
-        if not self.parts:
-            return torch.empty((num_rows, 0), dtype=torch.uint8, device=device)
-        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts, dim=1)
-
-    def pack_with_tails(self, destination: torch.Tensor, send_splits: Sequence[int], per_destination: torch.Tensor
-                        ) -> Tuple[torch.Tensor, int]:
-        """The fields in blocks by destination rank (the rows come sorted by `destination`), each block followed
-        by destination d's row of `per_destination` (int32) as `k` more byte rows (Note [counts beside the
-        rows]). Returns the packed rows and k."""
-        row_bytes = self.row_bytes
-        k = _tail_rows(per_destination.shape[1], row_bytes)
-        num_rows = destination.numel()
-        packed = torch.empty((num_rows + len(send_splits) * k, row_bytes), dtype=torch.uint8,
-                             device=destination.device)
-        position = torch.arange(num_rows, device=destination.device) + destination * k
-        offset = 0
-        for part in self.parts:
-            packed[:, offset:offset + part.shape[1]].index_copy_(0, position, part)
-            offset += part.shape[1]
-        tails = packed.new_zeros((len(send_splits), k * row_bytes))
-        tails[:, :per_destination.shape[1] * 4] = rows_as_bytes(per_destination.to(torch.int32).contiguous())
-        packed.index_copy_(0, _tail_positions(send_splits, k, packed.device), tails.view(-1, row_bytes))
-        return packed, k
-
-    def unpack(self, packed: torch.Tensor, position: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
-        """The fields of the packed rows (of the rows at `position`, if given), each a tensor of its own."""
-        out, offset = {}, 0
-        for name, dtype, shape, nbytes in self.fields:
-            columns = packed[:, offset:offset + nbytes]
-            if position is not None:
-                chunk = columns.index_select(0, position)
-            elif nbytes == packed.shape[1] and packed.is_contiguous():   # (the only field: as received)
-                chunk = columns
-            else:
-                chunk = columns.clone(memory_format=torch.contiguous_format)
-            out[name] = chunk.view(dtype).reshape(chunk.shape[0], *shape)
-            offset += nbytes
-        return out
-
-    def unpack_with_tails(self, received: torch.Tensor, recv_splits: Sequence[int], k: int, width: int
-                          ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
-        """The inverse of `pack_with_tails` on the receiving side: the fields, and the int32 rows appended to
-        the blocks ([R, width] on the CPU, one per source rank)."""
-        device = received.device
-        num_rows = sum(recv_splits)
-        fields = self.unpack(received, torch.arange(num_rows, device=device) + _segment_ids(recv_splits, device) * k)
-        tails = received.index_select(0, _tail_positions(recv_splits, k, device)).view(len(recv_splits), -1)
-        per_source = tails[:, :width * 4].clone(memory_format=torch.contiguous_format).view(torch.int32)
-        return fields, per_source.cpu()
-
-
 def dispatch_fields(x, x_scales, topk_idx, num_channels: int, **more: int) -> Dict[str, int]:
     """What every rank's dispatch must agree on, as ints (dtypes as `checks.dtype_code`s; -1 or 0: absent)."""
     return dict(hidden=x.shape[1], dtype=dtype_code(x.dtype),
                 num_scales=-1 if x_scales is None else x_scales.shape[1],
                 scales_dtype=0 if x_scales is None else dtype_code(x_scales.dtype),
                 topk=-1 if topk_idx is None else topk_idx.shape[1], num_channels=num_channels, **more)
-
-
-def _tail_rows(width: int, row_bytes: int) -> int:
-    """How many byte rows of `row_bytes` hold `width` int32 values."""
-    return -(-width * 4 // row_bytes)
-
-
-def _tail_positions(splits: Sequence[int], k: int, device: torch.device) -> torch.Tensor:
-    """The rows of the `k`-row tails in blocks of `splits[i] + k` rows."""
-    positions, end = [], 0
-    for count in splits:
-        end += count + k
-        positions.extend(range(end - k, end))
-    return torch.tensor(positions, dtype=torch.int64, device=device)
 
 
 def _prefix_by_channel(mask: torch.Tensor, num_channels: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -358,7 +276,7 @@ class ReferenceTransport(Transport):
         recv = packed.new_empty((sum(recv_splits), packed.shape[1]))
         return self.group.all_to_all(recv, packed, recv_splits, send_splits, what, ranks)
 
-    def _exchange_rows_and_fields(self, rows: torch.Tensor, packer: "_Packer", send_splits: Sequence[int],
+    def _exchange_rows_and_fields(self, rows: torch.Tensor, packer: FieldPacker, send_splits: Sequence[int],
                                   recv_splits: Sequence[int], what: str, ranks: Optional[List[int]]
                                   ) -> Callable[[], Tuple[torch.Tensor, Dict[str, torch.Tensor], int]]:
         """Start exchanging `rows` and the per-row fields of `packer` (Note [rows travel alone]). Returns the
@@ -366,8 +284,7 @@ class ReferenceTransport(Transport):
         pending_rows = self._exchange_rows(rows, send_splits, recv_splits, what, ranks)
         pending_fields = None
         if packer.fields:
-            pending_fields = self._exchange_rows(packer.pack(rows.shape[0], rows.device), send_splits, recv_splits,
-                                                 what, ranks)
+            pending_fields = self._exchange_rows(packer.pack(), send_splits, recv_splits, what, ranks)
 
         def wait() -> Tuple[torch.Tensor, Dict[str, torch.Tensor], int]:
             started = _now_ns()
@@ -473,10 +390,10 @@ class ReferenceTransport(Transport):
                              f"{int(receives[r])} tokens it receives")
 
     def _dispatch_rows_to_send(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, destination, token,
-                               with_token, with_node_mask) -> Tuple[torch.Tensor, "_Packer"]:
+                               with_token, with_node_mask) -> Tuple[torch.Tensor, FieldPacker]:
         """The rows of x for token t to every rank d with is_token_in_rank[t, d], in (d, t) order, and the
         per-row fields packed beside them (Note [rows travel alone])."""
-        packer = _Packer()
+        packer = FieldPacker()
         if x_scales is not None:
             packer.add("scales", _take(x_scales, token))
         if topk_idx is not None:
@@ -490,7 +407,7 @@ class ReferenceTransport(Transport):
             packer.add("node_mask", self._node_masks(is_token_in_rank)[token, node_of_destination])
         return _take(x, token), packer
 
-    def _exchange_dispatch_rows(self, outgoing: Tuple[torch.Tensor, "_Packer"], route: _Route, num_rows: int,
+    def _exchange_dispatch_rows(self, outgoing: Tuple[torch.Tensor, FieldPacker], route: _Route, num_rows: int,
                                 what: str, per_destination: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
         """Send `_dispatch_rows_to_send`'s rows, and `per_destination` (an int32 row per destination rank, with
         fields to pack beside the rows) at the end of each rank's block of fields (Note [counts beside the
@@ -502,15 +419,14 @@ class ReferenceTransport(Transport):
         pending_x = self.group.all_to_all(recv_x[:num_recv], rows_x, route.recv_splits, route.send_splits, what)
         rows: Dict[str, torch.Tensor] = {}
         if per_destination is not None:
-            packed, k = packer.pack_with_tails(route.destination, route.send_splits, per_destination)
+            packed, k = packer.pack_with_counts(route.send_splits, per_destination)
             received = self._exchange_rows(packed, [n + k for n in route.send_splits],
                                            [n + k for n in route.recv_splits], what).wait()
-            fields, rows["per_source"] = packer.unpack_with_tails(received, route.recv_splits, k,
-                                                                  per_destination.shape[1])
-            rows.update(fields)
+            fields, per_source = packer.unpack_with_counts(received, route.recv_splits, k, per_destination.shape[1])
+            rows.update(fields, per_source=per_source.cpu())
         elif packer.fields:
-            packed = packer.pack(rows_x.shape[0], rows_x.device)
-            rows.update(packer.unpack(self._exchange_rows(packed, route.send_splits, route.recv_splits, what).wait()))
+            received = self._exchange_rows(packer.pack(), route.send_splits, route.recv_splits, what).wait()
+            rows.update(packer.unpack(received))
         pending_x.wait()
         rows["x"] = recv_x
         return rows
@@ -816,7 +732,7 @@ class ReferenceTransport(Transport):
         rows = _take(x.reshape(-1, hidden), row_index)
         if use_logfmt:
             rows = logfmt_roundtrip(rows)
-        packer = _Packer()
+        packer = FieldPacker()
         if agreed is None:
             recv_splits = sent.send_splits
         else:
@@ -873,9 +789,9 @@ def _rows_to_return(layout_range: torch.Tensor, slots: int) -> Tuple[torch.Tenso
 
 
 def _grown(rows: torch.Tensor, num_rows: int, fill: Optional[float]) -> torch.Tensor:
-    """`rows` with rows of `fill` (None: left as allocated) appended up to `num_rows` rows."""
+    """`rows` with rows of `fill` (None: left as allocated) appended up to `num_rows` rows, contiguous."""
     if rows.shape[0] == num_rows:
-        return rows
+        return rows.contiguous()
     shape = (num_rows, *rows.shape[1:])
     grown = rows.new_empty(shape) if fill is None else rows.new_full(shape, fill)
     grown[:rows.shape[0]] = rows

@@ -1,8 +1,10 @@
-"""Pieces both of the reference transport's low-latency paths use (reference.py, reference_fixed_size.py): rows
-of several tensors side by side as bytes, the receive buffers and the combine's weighted sum."""
+"""Pieces of the reference transport (reference.py, reference_fixed_size.py): rows of several tensors side by
+side as bytes (with counts between blocks of rows), the low-latency receive buffers and the combine's weighted
+sum."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -93,6 +95,72 @@ def side_by_side(packed: torch.Tensor, layout: List[Tuple[torch.dtype, int]]) ->
         parts.append(packed[:, offset:offset + nbytes].view(dtype))
         offset += nbytes
     return parts
+
+
+class FieldPacker:
+    """Per-row tensors side by side in one byte matrix, and back. The fields are laid out largest element first
+    and each row is padded to a multiple of the largest element, so that every field of a packed matrix is a
+    view of its own dtype: unpacking copies nothing (a field that must be contiguous is copied by its user)."""
+
+    def __init__(self) -> None:
+        self.fields: List[Tuple[str, torch.dtype, Tuple[int, ...], int, int]] = []   # name, dtype, shape, offset, bytes
+        self.row_bytes = 0
+        self._rows: List[torch.Tensor] = []
+
+    def add(self, name: str, rows: torch.Tensor) -> None:
+        """A field: `rows` has a row per packed row (any shape after it)."""
+        self._rows.append(rows)
+        self.fields.append((name, rows.dtype, tuple(rows.shape[1:]), 0, math.prod(rows.shape[1:]) * rows.element_size()))
+        order = sorted(range(len(self.fields)), key=lambda i: -self.fields[i][1].itemsize)
+        self.fields = [self.fields[i] for i in order]
+        self._rows = [self._rows[i] for i in order]
+        offset = 0
+        for i, (field, dtype, shape, _, nbytes) in enumerate(self.fields):
+            self.fields[i] = (field, dtype, shape, offset, nbytes)
+            offset += nbytes
+        widest = self.fields[0][1].itemsize
+        self.row_bytes = -(-offset // widest) * widest
+
+    def pack(self) -> torch.Tensor:
+        """The fields' rows side by side: `[rows, row_bytes]` uint8 (at least one field added)."""
+        parts = [rows_as_bytes(rows.contiguous()) for rows in self._rows]
+        padding = self.row_bytes - sum(part.shape[1] for part in parts)
+        if padding:
+            parts.append(parts[0].new_zeros((parts[0].shape[0], padding)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def pack_with_counts(self, send_splits: Sequence[int], counts: torch.Tensor) -> Tuple[torch.Tensor, int]:
+        """`pack` in blocks of `send_splits` rows (one per destination), each block followed by its destination's
+        row of `counts` (`[destinations, width]`, int32 values) as `k` more byte rows. Returns the matrix and k."""
+        rows = self.pack()
+        width = counts.shape[1]
+        k = -(-width * 4 // self.row_bytes)
+        tails = rows.new_zeros((len(send_splits), k * self.row_bytes))
+        tails[:, :width * 4] = rows_as_bytes(counts.to(torch.int32).contiguous())
+        tails = tails.view(len(send_splits), k, self.row_bytes)
+        pieces, start = [], 0
+        for destination, count in enumerate(send_splits):
+            pieces += [rows[start:start + count], tails[destination]]
+            start += count
+        return torch.cat(pieces), k
+
+    def unpack(self, packed: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The fields of packed rows, as views of `packed` by name."""
+        return {name: packed[:, offset:offset + nbytes].view(dtype).view(packed.shape[0], *shape)
+                for name, dtype, shape, offset, nbytes in self.fields}
+
+    def unpack_with_counts(self, received: torch.Tensor, recv_splits: Sequence[int], k: int, width: int
+                           ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+        """The inverse of `pack_with_counts` on the receiving side (blocks of `recv_splits` rows, one per source):
+        the fields of all blocks' rows (views of one copy of them), and the counts (`[sources, width]` int32)."""
+        pieces, tails, start = [], [], 0
+        for count in recv_splits:
+            pieces.append(received[start:start + count])
+            tails.append(received[start + count:start + count + k])
+            start += count + k
+        rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        counts = torch.cat(tails).view(len(recv_splits), -1)[:, :width * 4].contiguous().view(torch.int32)
+        return self.unpack(rows), counts
 
 
 def low_latency_receive_buffers(experts_per_rank: int, slots: int, hidden: int, options, device: torch.device,
