@@ -417,6 +417,8 @@ class Group:
 def rows_as_bytes(rows: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's rows (dim 0) as a [rows, bytes per row] uint8 view (through the flat view: a
     contiguous tensor may have any stride on a dimension of size 1)."""
+    if rows.dim() == 2 and rows.stride(-1) == 1:   # (the common case in one view)
+        return rows if rows.dtype == torch.uint8 else rows.view(torch.uint8)
     return rows.reshape(-1).view(torch.uint8).view(rows.shape[0], rows.element_size() * math.prod(rows.shape[1:]))
 
 

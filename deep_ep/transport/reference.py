@@ -54,6 +54,7 @@ handle without one (made by another Buffer) gets it rebuilt from its tensors.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -104,10 +105,16 @@ def _prefix_by_channel(mask: torch.Tensor, num_channels: int) -> Tuple[torch.Ten
         return (torch.zeros((cols, num_channels), dtype=torch.int32, device=mask.device),
                 torch.empty((0, cols), dtype=torch.int32, device=mask.device))
     running = torch.cumsum(mask, dim=0, dtype=torch.int32)
+    return (running.index_select(0, _last_token_of_channels(num_tokens, num_channels, mask.device)).t().contiguous(),
+            torch.where(mask, running - 1, -1))
+
+
+@functools.lru_cache(maxsize=64)
+def _last_token_of_channels(num_tokens: int, num_channels: int, device: torch.device) -> torch.Tensor:
+    """The last token of each channel (channel = token // ceil(T / C)), clamped to the last token."""
     per_channel = -(-num_tokens // num_channels)
-    last = torch.tensor([min((c + 1) * per_channel, num_tokens) - 1 for c in range(num_channels)],
-                        dtype=torch.int64, device=mask.device)
-    return running.index_select(0, last).t().contiguous(), torch.where(mask, running - 1, -1)
+    return torch.tensor([min((c + 1) * per_channel, num_tokens) - 1 for c in range(num_channels)],
+                        dtype=torch.int64, device=device)
 
 
 def _exclusive(inclusive: torch.Tensor) -> torch.Tensor:
@@ -166,6 +173,7 @@ class ReferenceTransport(Transport):
         self._call_number = 0
         self._routes = Keeper()   # Note [handle routes]: kept with the handle's tensor of received rows
         self._sent_selections = Keeper()   # Note [returned in sent order]: kept with the handle's src_info
+        self._local_ids: Dict[Tuple[int, torch.device], torch.Tensor] = {}
         # low-latency calls as fixed-size exchanges (reference_fixed_size.py): inside a CUDA graph capture, which
         # NCCL groups allow, and wherever this is set (every rank alike)
         self._fixed_size = FixedSizeLowLatency(group, topology.rank, topology.num_ranks)
@@ -362,7 +370,7 @@ class ReferenceTransport(Transport):
         recv_channel_prefix = received[:, experts_per_rank:experts_per_rank + num_channels]   # inclusive
         out = self._place_rows(recv, x, x_scales, topk_idx, topk_weights, num_recv, num_rows, experts_per_rank)
 
-        rank_prefix_matrix = torch.cumsum(gathered_per_rank[:, :num_ranks], dim=0).to(torch.int32)
+        rank_prefix_matrix = torch.cumsum(gathered_per_rank[:, :num_ranks], dim=0, dtype=torch.int32)
         dev = self.device
         recv_src_idx = _grown(recv["token"].to(dev), num_rows, -1)
         if not topo.is_internode:
@@ -439,12 +447,24 @@ class ReferenceTransport(Transport):
             recv_scales = _grown(recv["scales"].to(x.device), num_rows, None)
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
-            ids = recv["topk_idx"].to(x.device) - self.topology.rank * experts_per_rank
-            local = (ids >= 0) & (ids < experts_per_rank)
-            recv_topk_idx = _grown(torch.where(local, ids, -1), num_rows, -1)
+            local_ids = self._local_expert_ids(experts_per_rank, x.device)
+            recv_topk_idx = _grown(local_ids[recv["topk_idx"].to(x.device) + 1], num_rows, -1)
             if topk_weights is not None:
-                recv_topk_weights = _grown(torch.where(local, recv["topk_weights"].to(x.device), 0.0), num_rows, 0.0)
+                recv_topk_weights = _grown(torch.where(recv_topk_idx[:num_recv] >= 0,
+                                                       recv["topk_weights"].to(x.device), 0.0), num_rows, 0.0)
         return DispatchOutput(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, None, None)
+
+    def _local_expert_ids(self, experts_per_rank: int, device: torch.device) -> torch.Tensor:
+        """[num_experts + 1] int64: at global expert id + 1 (0: no expert), this rank's local id of the expert,
+        -1 for the experts of other ranks (kept per shape: a lookup replaces a subtraction and two compares)."""
+        key = (experts_per_rank, device)
+        if key not in self._local_ids:
+            local_ids = torch.full((experts_per_rank * self.topology.num_ranks + 1,), -1, dtype=torch.int64,
+                                   device=device)
+            start = self.topology.rank * experts_per_rank + 1
+            local_ids[start:start + experts_per_rank] = torch.arange(experts_per_rank, device=device)
+            self._local_ids[key] = local_ids
+        return self._local_ids[key]
 
     def _internode_handle(self, received, in_node, rdma_channel_prefix, send_rdma_head, channel_prefix,
                           recv_channel_prefix, rank_prefix_matrix, recv, num_recv, num_rows, is_token_in_rank,
