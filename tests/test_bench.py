@@ -77,6 +77,7 @@ def test_bench_profile_cpu():
             assert rest == sorted(rest, key=lambda row: -row[1]), name
     assert any("all_to_all_single" in row[0] for row in ops["combine"]["baseline_functions"])
     assert "dispatch BF16 [ours]" in proc.stderr and "dispatch BF16 [baseline]" in proc.stderr
+    assert "; all other functions" in proc.stderr.split("dispatch BF16 [ours]")[1].splitlines()[0]
 
 
 def test_bench_plot(tmp_path):

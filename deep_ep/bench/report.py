@@ -146,7 +146,8 @@ def format_functions(report: Dict[str, Any], top: int = 8) -> str:
                 continue
             total, *rest = functions
             parts = ", ".join(f"{name} {us:.0f} ({calls:g}x)" for name, us, calls in rest[:top])
-            lines.append(f"{entry['label']} [{who}] {total[1]:.0f} us/call: {parts}")
+            others = total[1] - sum(us for _, us, _ in rest[:top])
+            lines.append(f"{entry['label']} [{who}] {total[1]:.0f} us/call: {parts}; all other functions {others:.0f}")
     return "\n".join(lines)
 
 

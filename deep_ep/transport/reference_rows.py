@@ -97,6 +97,9 @@ def side_by_side(packed: torch.Tensor, layout: List[Tuple[torch.dtype, int]]) ->
     return parts
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 class FieldPacker:
     """Per-row tensors side by side in one byte matrix, and back. The fields are laid out largest element first
     and each row is padded to a multiple of the largest element, so that every field of a packed matrix is a
@@ -122,12 +125,18 @@ class FieldPacker:
         self.row_bytes = -(-offset // widest) * widest
 
     def pack(self) -> torch.Tensor:
-        """The fields' rows side by side: `[rows, row_bytes]` uint8 (at least one field added)."""
-        parts = [rows_as_bytes(rows.contiguous()) for rows in self._rows]
-        padding = self.row_bytes - sum(part.shape[1] for part in parts)
+        """The fields' rows side by side: `[rows, row_bytes]` uint8 (at least one field added). Joined as the
+        widest integers that every field's width divides (a copy of byte columns is several times slower)."""
+        num_rows = self._rows[0].shape[0]
+        padding = self.row_bytes - sum(nbytes for *_, nbytes in self.fields)
+        unit = math.gcd(8, padding, *(nbytes for *_, nbytes in self.fields))
+        as_units = _INT_OF_SIZE[unit]
+        parts = [rows.contiguous().view(num_rows, nbytes // rows.element_size()).view(as_units)
+                 for rows, (*_, nbytes) in zip(self._rows, self.fields)]
         if padding:
-            parts.append(parts[0].new_zeros((parts[0].shape[0], padding)))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            parts.append(parts[0].new_zeros((num_rows, padding // unit)))
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return joined.view(torch.uint8)
 
     def pack_with_counts(self, send_splits: Sequence[int], counts: torch.Tensor) -> Tuple[torch.Tensor, int]:
         """`pack` in blocks of `send_splits` rows (one per destination), each block followed by its destination's
