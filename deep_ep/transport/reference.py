@@ -454,6 +454,13 @@ class ReferenceTransport(Transport):
                                                        recv["topk_weights"].to(x.device), 0.0), num_rows, 0.0)
         return DispatchOutput(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, None, None)
 
+    @staticmethod
+    @functools.lru_cache(maxsize=16)
+    def _expert_rows(experts_per_rank: int, num_ranks: int, slots: int) -> torch.Tensor:
+        """[R * E_loc] int64 on the CPU: the first row of local expert e's receive rows (e * slots), for each
+        (source rank, e) group in source-major order."""
+        return torch.arange(experts_per_rank).repeat(num_ranks) * slots
+
     def _local_expert_ids(self, experts_per_rank: int, device: torch.device) -> torch.Tensor:
         """[num_experts + 1] int64: at global expert id + 1 (0: no expert), this rank's local id of the expert,
         -1 for the experts of other ranks (kept per shape: a lookup replaces a subtraction and two compares)."""
@@ -662,9 +669,11 @@ class ReferenceTransport(Transport):
         parts = [x]
         if options.use_fp8:
             parts = list(per_token_cast_to_fp8(x, round_scale=options.round_scale))
-        beside = [token.to(torch.int32)[:, None], (expert % experts_per_rank).to(torch.int32)[:, None]]
-        row_layout = [(part.dtype, part.shape[1]) for part in parts] + [(torch.int32, 1)] * len(beside)
-        rows_to_send = gather_side_by_side(parts, token, beside)
+        # beside each row: its token, and its (source rank, local expert) group at the receiver
+        group = torch.remainder(expert, experts_per_rank).add_(topo.rank * experts_per_rank)
+        beside = torch.stack([token, group], dim=1).to(torch.int32)
+        row_layout = [(part.dtype, part.shape[1]) for part in parts] + [(torch.int32, 2)]
+        rows_to_send = gather_side_by_side(parts, token, [beside])
         recv_splits = agreed()[:, topo.rank].tolist()
         pending = self._exchange_rows(rows_to_send, send_splits, recv_splits, "low_latency_dispatch (data exchange)",
                                       ranks)
@@ -686,34 +695,35 @@ class ReferenceTransport(Transport):
             started = _now_ns()
             received = pending.wait()
             waited = _now_ns() - started
-            data, *scales, token_index, local_expert = side_by_side(received, row_layout)
-            source = _segment_ids(recv_splits)
-            local_expert = local_expert.view(-1).long().cpu()
+            data, *scales, ids = side_by_side(received, row_layout)
+            token_index, group = ids[:, 0], ids[:, 1].long().cpu()    # group: source * E_loc + local expert
             if mask is not None:   # rows from masked sources are dropped
-                keep = (mask.cpu()[source] == 0).nonzero(as_tuple=True)[0]
-                source, local_expert = source[keep], local_expert[keep]
+                keep = (mask.cpu()[group // experts_per_rank] == 0).nonzero(as_tuple=True)[0]
+                group = group[keep]
                 keep = keep.to(received.device)
                 data, token_index, scales = data[keep], token_index[keep], [part[keep] for part in scales]
-            group = source * experts_per_rank + local_expert               # each source's rows come by expert
-            counts = torch.bincount(group, minlength=num_ranks * experts_per_rank).view(num_ranks, experts_per_rank)
+            per_group = torch.bincount(group, minlength=num_ranks * experts_per_rank)
+            counts = per_group.view(num_ranks, experts_per_rank)
             rows_per_expert = counts.sum(0)
-            over = (rows_per_expert > slots).nonzero()
-            if len(over):   # checked once every exchange of the call is complete, so no peer is left waiting
-                raise ValueError(too_many_rows_message(topo.rank, int(over[0]), "checked on arrival; nothing was "
-                                                       "received"))
+            if group.numel() and int(rows_per_expert.max()) > slots:
+                # checked once every exchange of the call is complete, so no peer is left waiting
+                over = int((rows_per_expert > slots).nonzero()[0])
+                raise ValueError(too_many_rows_message(topo.rank, over, "checked on arrival; nothing was received"))
             begin = exclusive_cumsum(counts, dim=0)                                         # [R, E_loc]
-            group_start = exclusive_cumsum(counts.flatten())
-            position = begin[source, local_expert] + torch.arange(group.numel(), device="cpu") - group_start[group]
-            e, p = local_expert.to(dev), position.to(dev)
-            row = e * slots + p
+            # a source's rows come by local expert, so received row i of group g goes to row
+            # e * slots + begin[s, e] + i - (first received row of g): a value per group, plus i
+            row_of_group = (self._expert_rows(experts_per_rank, num_ranks, slots) + begin.view(-1)
+                            - exclusive_cumsum(per_group))
+            row = (row_of_group[group] + torch.arange(group.numel(), device="cpu")).to(dev)
             if remembered is not None:   # in the order a combine returns them: by source, expert, slot
                 remembered.received[:] = [row, counts.sum(1).tolist()]
             _copy_rows(recv_rows, row, data.to(dev))
-            src_info.view(-1).index_copy_(0, row, token_index.to(dev).view(-1))
+            src_info.view(-1).index_copy_(0, row, token_index.to(dev))
             if options.use_fp8:
+                e, p = row // slots, row % slots
                 recv_scales[e, p] = pack_ue8m0(scales[0].to(dev)) if options.use_ue8m0 else scales[0].to(dev)
-            recv_count.copy_(rows_per_expert.to(torch.int32))
-            layout_range.copy_(((begin << 32) | counts).t())
+            recv_count.copy_(rows_per_expert)
+            layout_range.copy_(torch.add(counts, begin, alpha=1 << 32).t())   # (begin << 32) | count
             if wait_stats is not None:
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
         return output, receive
