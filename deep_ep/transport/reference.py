@@ -67,8 +67,9 @@ from ..streams import capturing
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 from .reference_fixed_size import FixedSizeLowLatency
 from .kept import Keeper
-from .reference_rows import (FieldPacker, exclusive_cumsum, gather_side_by_side, low_latency_receive_buffers,
-                             side_by_side, weighted_sum_of_selections)
+from .reference_rows import (FieldPacker, exclusive_cumsum, gather_side_by_side, index_add_order,
+                             low_latency_receive_buffers, side_by_side, sum_in_index_order, sum_laid_out,
+                             weighted_sum_of_selections)
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
@@ -137,6 +138,8 @@ class _Selections(NamedTuple):
     dispatch: int            # the dispatch's call number (the same on every rank)
     agreed: List[tuple]      # the combine call the ranks last agreed on (Note [checked once per handle])
     received: List           # once received: the rows a combine returns, as `_rows_to_return` gives them
+    num_tokens: int          # the dispatch's token count
+    sum_order: List          # once a combine summed them on the CPU: `index_add_order` of the rows sent
 
 
 class _Route(NamedTuple):
@@ -459,7 +462,7 @@ class ReferenceTransport(Transport):
     def _expert_rows(experts_per_rank: int, num_ranks: int, slots: int) -> torch.Tensor:
         """[R * E_loc] int64 on the CPU: the first row of local expert e's receive rows (e * slots), for each
         (source rank, e) group in source-major order."""
-        return torch.arange(experts_per_rank).repeat(num_ranks) * slots
+        return torch.arange(experts_per_rank, device="cpu").repeat(num_ranks) * slots
 
     def _local_expert_ids(self, experts_per_rank: int, device: torch.device) -> torch.Tensor:
         """[num_experts + 1] int64: at global expert id + 1 (0: no expert), this rank's local id of the expert,
@@ -688,7 +691,8 @@ class ReferenceTransport(Transport):
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         remembered = None
         if mask is None:
-            remembered = _Selections(token, slot, expert, send_splits, self._call_number, [], [])
+            remembered = _Selections(token, slot, expert, send_splits, self._call_number, [], [], topk_idx.shape[0],
+                                     [])
             self._sent_selections.keep(src_info, remembered)
 
         def receive() -> None:
@@ -788,15 +792,18 @@ class ReferenceTransport(Transport):
         def receive() -> None:
             received_x, back, waited = wait()
             values = received_x.to(out.device)
-            valid = topk_idx >= 0
-            if mask is not None:
-                owner = (topk_idx // experts_per_rank).clamp(0, num_ranks - 1)
-                valid &= mask.to(topk_idx.device)[owner] == 0
-            if sent is not None:
-                token_of, slot_of, row = _rows_in_sent_order(sent, topk_idx, valid, values.shape[0])
-            else:
-                token_of, slot_of, row = _rows_by_key(back, topk_idx, valid, num_max_tokens, out.device)
-            out.copy_(weighted_sum_of_selections(values, row, token_of, slot_of, topk_weights.float()))
+            total = None if sent is None else _sum_of_sent_rows(sent, values, topk_idx, topk_weights.float())
+            if total is None:
+                valid = topk_idx >= 0
+                if mask is not None:
+                    owner = (topk_idx // experts_per_rank).clamp(0, num_ranks - 1)
+                    valid &= mask.to(topk_idx.device)[owner] == 0
+                if sent is not None:
+                    token_of, slot_of, row = _rows_in_sent_order(sent, topk_idx, valid, values.shape[0])
+                else:
+                    token_of, slot_of, row = _rows_by_key(back, topk_idx, valid, num_max_tokens, out.device)
+                total = weighted_sum_of_selections(values, row, token_of, slot_of, topk_weights.float())
+            out.copy_(total)
             if wait_stats is not None:
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
 
@@ -830,6 +837,24 @@ def _grown(rows: torch.Tensor, num_rows: int, fill: Optional[float]) -> torch.Te
 
 _NOT_SENT = ("low_latency_combine: topk_idx names an expert that the matching low_latency_dispatch did not send "
              "the token to; pass the dispatch's topk_idx (entries may only become -1)")
+
+
+def _sum_of_sent_rows(sent: _Selections, values: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor
+                      ) -> Optional[torch.Tensor]:
+    """`weighted_sum_of_selections` of the returned rows when the combine's `topk_idx` selects exactly what the
+    dispatch sent (the common case; rows in sent order), summed in an order kept with the dispatch on the CPU;
+    None otherwise (then `_rows_in_sent_order` finds the selections or the error)."""
+    token, slot, expert = sent.token, sent.slot, sent.expert
+    if topk_idx.shape[0] != sent.num_tokens or values.shape[0] != token.numel() or token.device != topk_idx.device:
+        return None
+    if not torch.equal(topk_idx[token, slot], expert) or int((topk_idx >= 0).sum()) != token.numel():
+        return None
+    if values.device.type != "cpu":
+        return sum_laid_out(values, torch.arange(token.numel(), device=values.device), token, slot, weights)
+    if not sent.sum_order:
+        sent.sum_order[:] = index_add_order(torch.arange(token.numel(), device="cpu"), token, slot,
+                                             topk_idx.shape[1])
+    return sum_in_index_order(values, *sent.sum_order, weights)
 
 
 def _rows_in_sent_order(sent: _Selections, topk_idx: torch.Tensor, valid: torch.Tensor, num_rows: int

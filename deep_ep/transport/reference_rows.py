@@ -47,13 +47,25 @@ def sum_by_index_add(values: torch.Tensor, row: torch.Tensor, token: torch.Tenso
     """`weighted_sum_of_selections`: each selection's product, added into its token's row by one `index_add_`
     in (token, slot) order: torch documents its adds as made in the order of the index (a slot without a selection
     would add +0, which leaves a sum from +0 as it is). Not for GPUs, whose `index_add_` has no fixed order."""
-    num_tokens, topk = weights.shape
+    return sum_in_index_order(values, *index_add_order(row, token, slot, weights.shape[1]), weights)
+
+
+def index_add_order(row: torch.Tensor, token: torch.Tensor, slot: torch.Tensor, topk: int
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The selections of `sum_by_index_add` in the order it adds them, (token, slot): their rows, tokens and
+    flat keys token * topk + slot (a caller may keep these for repeated sums of the same selections)."""
     key = token * topk + slot
     order = torch.argsort(key)
-    products = values.index_select(0, row[order]).to(torch.float32)
-    products.mul_(weights.reshape(-1)[key[order]].unsqueeze(1))
-    total = torch.zeros((num_tokens, values.shape[1]), dtype=torch.float32, device=values.device)
-    return total.index_add_(0, token[order], products)
+    return row[order], token[order], key[order]
+
+
+def sum_in_index_order(values: torch.Tensor, row: torch.Tensor, token: torch.Tensor, key: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor:
+    """`sum_by_index_add` of selections already in `index_add_order`."""
+    products = values.index_select(0, row).to(torch.float32)
+    products.mul_(weights.reshape(-1)[key].unsqueeze(1))
+    total = torch.zeros((weights.shape[0], values.shape[1]), dtype=torch.float32, device=values.device)
+    return total.index_add_(0, token, products)
 
 
 def sum_laid_out(values: torch.Tensor, row: torch.Tensor, token: torch.Tensor, slot: torch.Tensor,
