@@ -83,7 +83,7 @@ def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> Non
     """Entries must be -1 (no selection) or in [0, num_experts)."""
     if topk_idx.numel() == 0:
         return
-    low, high = int(topk_idx.min()), int(topk_idx.max())
+    low, high = (int(v) for v in torch.aminmax(topk_idx))
     if low < -1 or high >= num_experts:
         bad = low if low < -1 else high
         raise ValueError(f"{name} entries must be -1 or in [0, {num_experts}), found {bad}")

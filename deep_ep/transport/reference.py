@@ -106,8 +106,8 @@ def _prefix_by_channel(mask: torch.Tensor, num_channels: int) -> Tuple[torch.Ten
         return (torch.zeros((cols, num_channels), dtype=torch.int32, device=mask.device),
                 torch.empty((0, cols), dtype=torch.int32, device=mask.device))
     running = torch.cumsum(mask, dim=0, dtype=torch.int32)
-    return (running.index_select(0, _last_token_of_channels(num_tokens, num_channels, mask.device)).t().contiguous(),
-            torch.where(mask, running - 1, -1))
+    prefix = running.index_select(0, _last_token_of_channels(num_tokens, num_channels, mask.device)).t().contiguous()
+    return prefix, running.mul_(mask).sub_(1)   # (where(mask, running - 1, -1) in place)
 
 
 @functools.lru_cache(maxsize=64)

@@ -167,8 +167,11 @@ class FieldPacker:
 
     def unpack(self, packed: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The fields of packed rows, as views of `packed` by name."""
-        return {name: packed[:, offset:offset + nbytes].view(dtype).view(packed.shape[0], *shape)
-                for name, dtype, shape, offset, nbytes in self.fields}
+        fields = {}
+        for name, dtype, shape, offset, nbytes in self.fields:
+            field = packed[:, offset:offset + nbytes].view(dtype)
+            fields[name] = field if field.shape[1:] == shape else field.view(packed.shape[0], *shape)
+        return fields
 
     def unpack_with_counts(self, received: torch.Tensor, recv_splits: Sequence[int], k: int, width: int
                            ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
