@@ -76,6 +76,8 @@ def test_bench_profile_cpu():
             assert all(0 <= us <= total for _, us, _ in rest), name
             assert rest == sorted(rest, key=lambda row: -row[1]), name
     assert any("all_to_all_single" in row[0] for row in ops["combine"]["baseline_functions"])
+    for name in ("dispatch_bf16", "dispatch_cached", "combine"):   # the baseline's, at least: a gather, an exchange
+        assert ops[name]["tensor_ops"] > 0 and ops[name]["baseline_tensor_ops"] >= 2, name
     assert "dispatch BF16 [ours]" in proc.stderr and "dispatch BF16 [baseline]" in proc.stderr
     assert "; all other functions" in proc.stderr.split("dispatch BF16 [ours]")[1].splitlines()[0]
 

@@ -134,6 +134,8 @@ class RankContext:
         if self.plan.get("profile"):
             for each, functions in zip(times, self._profile_series(fns, num_inputs)):
                 each["functions"] = functions
+            for fn, each in zip(fns, times):
+                each["tensor_ops"] = self._count_tensor_ops(lambda: fn(0))
             self.barrier()
         return times
 
@@ -216,6 +218,22 @@ class RankContext:
             tables.append([["total", total / iters * 1e6, 1.0]] +
                           [[name, own / iters * 1e6, calls / iters] for name, own, calls in rows[:12]])
         return tables
+
+    def _count_tensor_ops(self, fn: Callable[[], Any]) -> int:
+        """How many tensor operations (torch's ATen operators, views and collectives included) one call of `fn`
+        makes on this rank: each costs a trip through torch's dispatcher on the host."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Counter(TorchDispatchMode):
+            count = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                Counter.count += 1
+                return func(*args, **(kwargs or {}))
+        with Counter():
+            fn()
+        self.sync()
+        return Counter.count
 
     def _kernel_series(self, fn: Callable[[], Any]) -> Tuple[List[float], Dict[str, float]]:
         """GPU busy seconds per call over `iters` calls, each after a flush (profiled; flushes left out), and
@@ -300,5 +318,7 @@ def record(results: Dict[str, Any], name: str, times: Dict[str, List[float]], nb
                          kernel_us=median_us(times["kernel"]) if "kernel" in times else None,
                          kernels=times.get("kernels"), functions=times.get("functions"),
                          baseline_functions=baseline_times.get("functions") if baseline_times else None,
+                         tensor_ops=times.get("tensor_ops"),
+                         baseline_tensor_ops=baseline_times.get("tensor_ops") if baseline_times else None,
                          bytes=nbytes, link_bytes=link_bytes,
                          baseline_time_us=median_us(baseline_times["streamed"]) if baseline_times else None)

@@ -44,6 +44,8 @@ def summarise(plan: Dict[str, Any], result: Dict[str, Any], wall_s: float) -> Di
                                                             default=0) or None, kernels=mine.get("kernels"),
                                      functions=mine.get("functions"),
                                      baseline_functions=mine.get("baseline_functions"),
+                                     tensor_ops=mine.get("tensor_ops"),
+                                     baseline_tensor_ops=mine.get("baseline_tensor_ops"),
                                      time_us_max_rank=max(r[name]["time_us"] for r in per_rank),
                                      time_us_per_rank=[r[name]["time_us"] for r in per_rank],
                                      bytes=mine["bytes"],
@@ -137,17 +139,20 @@ def format_kernels(report: Dict[str, Any]) -> str:
 
 
 def format_functions(report: Dict[str, Any], top: int = 8) -> str:
-    """Rank 0's host time per operation by function (cProfile's own time, us per call), ours beside the
-    baseline's (runs with --profile)."""
+    """Rank 0's host time per operation by function (cProfile's own time, us per call) and its tensor
+    operations per call, ours beside the baseline's (runs with --profile)."""
     lines = []
     for entry in report["ops"].values():
-        for who, functions in (("ours", entry.get("functions")), ("baseline", entry.get("baseline_functions"))):
+        for who, functions, tensor_ops in (("ours", entry.get("functions"), entry.get("tensor_ops")),
+                                           ("baseline", entry.get("baseline_functions"),
+                                            entry.get("baseline_tensor_ops"))):
             if not functions:
                 continue
             total, *rest = functions
             parts = ", ".join(f"{name} {us:.0f} ({calls:g}x)" for name, us, calls in rest[:top])
             others = total[1] - sum(us for _, us, _ in rest[:top])
-            lines.append(f"{entry['label']} [{who}] {total[1]:.0f} us/call: {parts}; all other functions {others:.0f}")
+            lines.append(f"{entry['label']} [{who}] {total[1]:.0f} us/call, {tensor_ops} tensor operations: {parts}; "
+                         f"all other functions {others:.0f}")
     return "\n".join(lines)
 
 
