@@ -141,6 +141,8 @@ class FieldPacker:
         widest integers that every field's width divides (a copy of byte columns is several times slower)."""
         num_rows = self._rows[0].shape[0]
         padding = self.row_bytes - sum(nbytes for *_, nbytes in self.fields)
+        if len(self._rows) == 1 and not padding:
+            return rows_as_bytes(self._rows[0].contiguous())
         unit = math.gcd(8, padding, *(nbytes for *_, nbytes in self.fields))
         as_units = _INT_OF_SIZE[unit]
         parts = [rows.contiguous().view(num_rows, nbytes // rows.element_size()).view(as_units)
