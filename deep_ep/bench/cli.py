@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the table, each operation's kernels and copies with their microseconds per call (GPU)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed calls, as many more of each operation (ours and the baseline) under "
-                        "cProfile; after the table, rank 0's host time per call by function")
+                        "cProfile, and one counting its tensor operations; after the table, rank 0's host time "
+                        "per call by function and its tensor operations per call")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="bar chart of the times (needs matplotlib)")
     return p
 
