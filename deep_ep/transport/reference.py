@@ -29,9 +29,10 @@ another Buffer, shrink mode) the (expert, token) ids of every row come back besi
 by key.
 
 Note [one row exchange]: a low-latency dispatch sends each selected row with its FP8 scales, its token's index
-and its local expert beside it, in one exchange whose sizes (rows for each rank) travel with the header: the
-receiver copies the rows into the expert-major output anyway, and counts them per expert itself (a source's
-rows come sorted by expert), so no count exchange precedes them.
+and its group at the receiver (source rank * E_loc + local expert) beside it, in one exchange whose sizes (rows
+for each rank) travel with the header: the receiver copies the rows into the expert-major output anyway, and
+counts them per group itself (a source's rows come sorted by expert, so a group's rows are consecutive), so no
+count exchange precedes them.
 
 Note [checked once per handle]: a cached dispatch, a combine or a low-latency combine whose handle's previous
 call of the same operation had the same shapes, agreed by every rank (with the handles coming from one
@@ -45,8 +46,8 @@ rank whose ids are refused raises alone, after the exchange (the others do not w
 Note [counts beside the rows]: a dispatch's counts for each destination rank (rows per expert of that rank, and
 the inclusive prefix over channels of the rows for that rank and for its node) travel at the end of that rank's
 block of per-row fields, as a few more byte rows: the header told every rank how many rows each rank sends it,
-so the data exchange can start without a count exchange. The sender writes each field and each tail straight
-to its place in the blocks, the receiver reads them from theirs (one index per field, none per rank).
+so the data exchange can start without a count exchange. The fields are packed side by side (FieldPacker), the
+blocks and their tails joined by one cat on each side; the received fields are views of one copy of the rows.
 
 Note [handle routes]: a dispatch keeps the route of its rows (`_Route`) under the handle's tensor with a row per
 received row, so that its cached dispatches and combines need no host reads besides their own exchanges; a
