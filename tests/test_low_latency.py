@@ -1161,6 +1161,58 @@ def test_low_latency_too_many_rows_for_an_expert_is_an_error(pool):
     report_mismatches(seed, lambda: pool(2).run(run_too_many_rows, seed))
 
 
+def run_combines_of_other_topk_widths(ctx, seed: int) -> List[str]:
+    """Combines repeated on one handle with topk_idx of the dispatch's width, one -1 column wider, then the
+    dispatch's again, then without its last column (whose selections are then not combined): each equals the
+    weighted sum over the selections it lists, in slot order from +0 (the reference transport keeps an order for
+    repeated combines; another width must not reuse it)."""
+    N, H, E, K = 6, 128, 8, 3
+    buf = make_buffer(ctx, N, H, E, transport="reference")
+    gen = generator(seed, "topk widths", ctx.rank)
+    x = torch.randn(N, H, generator=gen).to(torch.bfloat16).to(ctx.device)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(N)]).to(ctx.device)
+    idx[1, 2] = -1
+    weights = torch.rand((N, K), generator=gen).to(ctx.device)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+    rows = torch.randn(recv_x.shape, generator=gen).to(torch.bfloat16).to(ctx.device)   # expert outputs
+    src_info = handle[0]
+    problems = []
+    pad_idx = torch.full((N, 1), -1, dtype=idx.dtype, device=ctx.device)
+    pad_w = torch.full((N, 1), float("nan"), device=ctx.device)
+    for name, cidx, cw in [("the dispatch's width", idx, weights),
+                           ("one -1 column wider", torch.cat([idx, pad_idx], 1), torch.cat([weights, pad_w], 1)),
+                           ("the dispatch's width again", idx, weights),
+                           ("one column narrower", idx[:, :K - 1].contiguous(), weights[:, :K - 1].contiguous())]:
+        combined = buf.low_latency_combine(rows, cidx, cw, handle)[0]
+        # the expected sum: each listed selection's row, found by (local expert, source token) in the handle:
+        # the owner's rows of a local expert from this rank are those of its layout_range entry
+        expected = torch.zeros((N, H), dtype=torch.float32, device=ctx.device)
+        gathered = [[torch.empty_like(t) for _ in range(ctx.world_size)] for t in (src_info, handle[1], rows)]
+        for parts, mine in zip(gathered, (src_info, handle[1], rows)):
+            torch.distributed.all_gather(parts, mine, group=ctx.group)
+        gathered_src, gathered_layout, gathered_rows = gathered
+        E_loc = E // ctx.world_size
+        for t in range(N):
+            for k in range(cidx.shape[1]):
+                e = int(cidx[t, k])
+                if e < 0:
+                    continue
+                owner, local = divmod(e, E_loc)
+                packed = int(gathered_layout[owner][local, ctx.rank])
+                block = slice(packed >> 32, (packed >> 32) + (packed & 0xFFFFFFFF))
+                where = (gathered_src[owner][local, block] == t).nonzero()
+                row = gathered_rows[owner][local, block][int(where[0])]
+                expected[t] = expected[t] + row.float() * cw[t, k]
+        if not torch.equal(bits(combined), bits(expected.to(torch.bfloat16))):
+            problems.append(f"rank {ctx.rank}: combine with topk_idx {name} differs from the sum of its selections")
+    return problems
+
+
+def test_low_latency_combines_of_other_topk_widths(pool):
+    seed = base_seed()
+    report_mismatches(seed, lambda: pool(2).run(run_combines_of_other_topk_widths, seed))
+
+
 def _refused_on(rank: int, ctx, what: str, fn, expect: str, problems: List[str]) -> None:
     """`fn()` raises a ValueError containing `expect` on `rank` (every rank where `rank` is None), else returns."""
     try:

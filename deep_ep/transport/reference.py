@@ -139,7 +139,7 @@ class _Selections(NamedTuple):
     dispatch: int            # the dispatch's call number (the same on every rank)
     agreed: List[tuple]      # the combine call the ranks last agreed on (Note [checked once per handle])
     received: List           # once received: the rows a combine returns, as `_rows_to_return` gives them
-    num_tokens: int          # the dispatch's token count
+    topk_shape: Tuple[int, int]   # the dispatch's topk_idx shape
     sum_order: List          # once a combine summed them on the CPU: `index_add_order` of the rows sent
 
 
@@ -692,8 +692,8 @@ class ReferenceTransport(Transport):
         output = LowLatencyDispatchOutput(recv_x, recv_scales, recv_count, src_info, layout_range)
         remembered = None
         if mask is None:
-            remembered = _Selections(token, slot, expert, send_splits, self._call_number, [], [], topk_idx.shape[0],
-                                     [])
+            remembered = _Selections(token, slot, expert, send_splits, self._call_number, [], [],
+                                     tuple(topk_idx.shape), [])
             self._sent_selections.keep(src_info, remembered)
 
         def receive() -> None:
@@ -846,7 +846,8 @@ def _sum_of_sent_rows(sent: _Selections, values: torch.Tensor, topk_idx: torch.T
     dispatch sent (the common case; rows in sent order), summed in an order kept with the dispatch on the CPU;
     None otherwise (then `_rows_in_sent_order` finds the selections or the error)."""
     token, slot, expert = sent.token, sent.slot, sent.expert
-    if topk_idx.shape[0] != sent.num_tokens or values.shape[0] != token.numel() or token.device != topk_idx.device:
+    if tuple(topk_idx.shape) != sent.topk_shape or values.shape[0] != token.numel() or \
+            token.device != topk_idx.device:
         return None
     if not torch.equal(topk_idx[token, slot], expert) or int((topk_idx >= 0).sum()) != token.numel():
         return None
@@ -865,7 +866,8 @@ def _rows_in_sent_order(sent: _Selections, topk_idx: torch.Tensor, valid: torch.
     if num_rows != sent.token.numel():
         raise ValueError(_NOT_SENT)
     token, slot, expert = (t.to(topk_idx.device) for t in sent[:3])
-    index = (token < topk_idx.shape[0]).nonzero(as_tuple=True)[0]   # (a combine may pass fewer tokens)
+    # (a combine may pass fewer tokens, or fewer top-k columns: selections outside them are not combined)
+    index = ((token < topk_idx.shape[0]) & (slot < topk_idx.shape[1])).nonzero(as_tuple=True)[0]
     token, slot, expert = token[index], slot[index], expert[index]
     now = topk_idx[token, slot]
     kept = valid[token, slot]

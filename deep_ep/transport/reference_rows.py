@@ -134,7 +134,7 @@ class FieldPacker:
             self.fields[i] = (field, dtype, shape, offset, nbytes)
             offset += nbytes
         widest = self.fields[0][1].itemsize
-        self.row_bytes = -(-offset // widest) * widest
+        self.row_bytes = max(widest, -(-offset // widest) * widest)   # (at least one element: room for counts)
 
     def pack(self) -> torch.Tensor:
         """The fields' rows side by side: `[rows, row_bytes]` uint8 (at least one field added). Joined as the
@@ -145,8 +145,7 @@ class FieldPacker:
             return rows_as_bytes(self._rows[0].contiguous())
         unit = math.gcd(8, padding, *(nbytes for *_, nbytes in self.fields))
         as_units = _INT_OF_SIZE[unit]
-        parts = [rows.contiguous().view(num_rows, nbytes // rows.element_size()).view(as_units)
-                 for rows, (*_, nbytes) in zip(self._rows, self.fields)]
+        parts = [rows_as_bytes(rows.contiguous()).view(as_units) for rows in self._rows]
         if padding:
             parts.append(parts[0].new_zeros((num_rows, padding // unit)))
         joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
