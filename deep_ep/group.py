@@ -417,9 +417,14 @@ class Group:
 def rows_as_bytes(rows: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's rows (dim 0) as a [rows, bytes per row] uint8 view (through the flat view: a
     contiguous tensor may have any stride on a dimension of size 1)."""
-    if rows.dim() == 2 and rows.stride(-1) == 1:   # (the common case in one view)
+    if rows.dim() == 2 and rows.stride(-1) == 1:   # (the common cases in one or two views)
         return rows if rows.dtype == torch.uint8 else rows.view(torch.uint8)
-    return rows.reshape(-1).view(torch.uint8).view(rows.shape[0], rows.element_size() * math.prod(rows.shape[1:]))
+    if rows.dim() == 1 and rows.stride(0) == 1:
+        return rows.view(torch.uint8).view(rows.shape[0], rows.element_size())
+    flat = rows.reshape(-1)
+    if flat.stride(0) != 1:   # (one element with another stride)
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).view(rows.shape[0], rows.element_size() * math.prod(rows.shape[1:]))
 
 
 # `all_gather_into_tensor` was renamed `all_gather_single` in newer torch releases.
