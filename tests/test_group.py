@@ -1,7 +1,8 @@
 """deep_ep.group's point-to-point exchanges (low-latency steps under a shrink mask): the ranks that never come
 are named (alone: not the ranks that came), within one timeout for the whole exchange; a failed exchange is not
 waited on again; a backend that refuses to start one leaves the group refused too; works of backends whose wait
-ignores its timeout are polled."""
+ignores its timeout are polled; rows of any layout as bytes."""
+import math
 import time
 from typing import Any, Dict
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deep_ep.group import CommTimeoutError, Group
+from deep_ep.group import CommTimeoutError, Group, rows_as_bytes
 
 TIMEOUT_S = 2.0
 ABSENT = 3
@@ -127,3 +128,22 @@ def test_works_of_a_backend_without_timed_waits_are_polled(monkeypatch):
         group.all_gather(torch.zeros(1), "the step", [0, 1])
     assert time.monotonic() - start < 5.0
     assert _stand_in_group(monkeypatch, "gloo").timed_cpu_waits
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(-5, 5, dtype=torch.int32),                 # 1-D
+    lambda: torch.randn(3, 4).to(torch.bfloat16),                    # 2-D
+    lambda: torch.randn(3, 1, 4),                                    # more dims
+    lambda: torch.empty(0, 3, dtype=torch.int64),                    # no rows
+    lambda: torch.randn(4)[::2][:1],                                 # one element, stride 2 (contiguous)
+    lambda: torch.randn(4, 2)[:1, :1],                               # 2-D, one element, strides (2, 1)
+    lambda: torch.randn(5, 1)[:, :1].as_strided((5, 1), (1, 7)),     # size-1 last dim with another stride
+])
+def test_rows_as_bytes_gives_each_rows_bytes(make):
+    rows = make()
+    got = rows_as_bytes(rows)
+    width = rows.element_size() * math.prod(rows.shape[1:])
+    expected = torch.tensor(bytearray(rows.contiguous().numpy().tobytes()) if rows.dtype != torch.bfloat16 else
+                            bytearray(rows.contiguous().view(torch.int16).numpy().tobytes()), dtype=torch.uint8)
+    assert got.dtype == torch.uint8 and tuple(got.shape) == (rows.shape[0], width)
+    assert torch.equal(got.reshape(-1), expected)
