@@ -452,7 +452,8 @@ class ReferenceTransport(Transport):
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
             local_ids = self._local_expert_ids(experts_per_rank, x.device)
-            recv_topk_idx = _grown(local_ids[recv["topk_idx"].to(x.device) + 1], num_rows, -1)
+            ids = recv["topk_idx"].to(x.device) + 1
+            recv_topk_idx = _grown(local_ids.index_select(0, ids.view(-1)).view(ids.shape), num_rows, -1)
             if topk_weights is not None:
                 recv_topk_weights = _grown(torch.where(recv_topk_idx[:num_recv] >= 0,
                                                        recv["topk_weights"].to(x.device), 0.0), num_rows, 0.0)
