@@ -63,7 +63,7 @@ import torch
 
 from ..checks import disagreement, dtype_code, too_many_rows_message
 from ..fp8 import logfmt_roundtrip, pack_ue8m0, per_token_cast_to_fp8
-from ..group import Group, Topology, rows_as_bytes, unmasked_ranks
+from ..group import Group, Topology, unmasked_ranks
 from ..streams import capturing
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 from .reference_fixed_size import FixedSizeLowLatency
@@ -108,7 +108,24 @@ def _prefix_by_channel(mask: torch.Tensor, num_channels: int) -> Tuple[torch.Ten
                 torch.empty((0, cols), dtype=torch.int32, device=mask.device))
     running = torch.cumsum(mask, dim=0, dtype=torch.int32)
     prefix = running.index_select(0, _last_token_of_channels(num_tokens, num_channels, mask.device)).t().contiguous()
-    return prefix, running.mul_(mask).sub_(1)   # (where(mask, running - 1, -1) in place)
+    return prefix, running.mul_(mask).sub_(1)   # (`_positions` of the mask, from the count made here)
+
+
+@functools.lru_cache(maxsize=16)
+def _local_expert_ids(rank: int, num_ranks: int, experts_per_rank: int, device: torch.device) -> torch.Tensor:
+    """[num_experts + 1] int64: at global expert id + 1 (0: no expert), the local id of the expert on `rank`, -1
+    for the experts of other ranks (kept per shape: a lookup replaces a subtraction and two compares)."""
+    local_ids = torch.full((experts_per_rank * num_ranks + 1,), -1, dtype=torch.int64, device=device)
+    start = rank * experts_per_rank + 1
+    local_ids[start:start + experts_per_rank] = torch.arange(experts_per_rank, device=device)
+    return local_ids
+
+
+@functools.lru_cache(maxsize=16)
+def _expert_rows(experts_per_rank: int, num_ranks: int, slots: int) -> torch.Tensor:
+    """[R * E_loc] int64 on the CPU: the first row of local expert e's receive rows (e * slots), for each (source
+    rank, e) group in source-major order."""
+    return torch.arange(experts_per_rank, device="cpu").repeat(num_ranks) * slots
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,8 +143,7 @@ def _exclusive(inclusive: torch.Tensor) -> torch.Tensor:
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     """Per column of `mask` [T, cols]: index of each True among that column's Trues, -1 where False."""
-    return torch.where(mask, torch.cumsum(mask.to(torch.int32), dim=0, dtype=torch.int32) - 1,
-                       torch.full_like(mask, -1, dtype=torch.int32))
+    return torch.cumsum(mask, dim=0, dtype=torch.int32).mul_(mask).sub_(1)   # (the running count, -1 where False)
 
 
 class _Selections(NamedTuple):
@@ -177,7 +193,6 @@ class ReferenceTransport(Transport):
         self._call_number = 0
         self._routes = Keeper()   # Note [handle routes]: kept with the handle's tensor of received rows
         self._sent_selections = Keeper()   # Note [returned in sent order]: kept with the handle's src_info
-        self._local_ids: Dict[Tuple[int, torch.device], torch.Tensor] = {}
         # low-latency calls as fixed-size exchanges (reference_fixed_size.py): inside a CUDA graph capture, which
         # NCCL groups allow, and wherever this is set (every rank alike)
         self._fixed_size = FixedSizeLowLatency(group, topology.rank, topology.num_ranks)
@@ -451,32 +466,13 @@ class ReferenceTransport(Transport):
             recv_scales = _grown(recv["scales"].to(x.device), num_rows, None)
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
-            local_ids = self._local_expert_ids(experts_per_rank, x.device)
+            local_ids = _local_expert_ids(self.topology.rank, self.topology.num_ranks, experts_per_rank, x.device)
             ids = recv["topk_idx"].to(x.device) + 1
             recv_topk_idx = _grown(local_ids.index_select(0, ids.view(-1)).view(ids.shape), num_rows, -1)
             if topk_weights is not None:
                 recv_topk_weights = _grown(torch.where(recv_topk_idx[:num_recv] >= 0,
                                                        recv["topk_weights"].to(x.device), 0.0), num_rows, 0.0)
         return DispatchOutput(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, None, None)
-
-    @staticmethod
-    @functools.lru_cache(maxsize=16)
-    def _expert_rows(experts_per_rank: int, num_ranks: int, slots: int) -> torch.Tensor:
-        """[R * E_loc] int64 on the CPU: the first row of local expert e's receive rows (e * slots), for each
-        (source rank, e) group in source-major order."""
-        return torch.arange(experts_per_rank, device="cpu").repeat(num_ranks) * slots
-
-    def _local_expert_ids(self, experts_per_rank: int, device: torch.device) -> torch.Tensor:
-        """[num_experts + 1] int64: at global expert id + 1 (0: no expert), this rank's local id of the expert,
-        -1 for the experts of other ranks (kept per shape: a lookup replaces a subtraction and two compares)."""
-        key = (experts_per_rank, device)
-        if key not in self._local_ids:
-            local_ids = torch.full((experts_per_rank * self.topology.num_ranks + 1,), -1, dtype=torch.int64,
-                                   device=device)
-            start = self.topology.rank * experts_per_rank + 1
-            local_ids[start:start + experts_per_rank] = torch.arange(experts_per_rank, device=device)
-            self._local_ids[key] = local_ids
-        return self._local_ids[key]
 
     def _internode_handle(self, received, in_node, rdma_channel_prefix, send_rdma_head, channel_prefix,
                           recv_channel_prefix, rank_prefix_matrix, recv, num_recv, num_rows, is_token_in_rank,
@@ -718,7 +714,7 @@ class ReferenceTransport(Transport):
             begin = exclusive_cumsum(counts, dim=0)                                         # [R, E_loc]
             # a source's rows come by local expert, so received row i of group g goes to row
             # e * slots + begin[s, e] + i - (first received row of g): a value per group, plus i
-            row_of_group = (self._expert_rows(experts_per_rank, num_ranks, slots) + begin.view(-1)
+            row_of_group = (_expert_rows(experts_per_rank, num_ranks, slots) + begin.view(-1)
                             - exclusive_cumsum(per_group))
             row = (row_of_group[group] + torch.arange(group.numel(), device="cpu")).to(dev)
             if remembered is not None:   # in the order a combine returns them: by source, expert, slot
