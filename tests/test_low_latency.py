@@ -1175,7 +1175,13 @@ def run_combines_of_other_topk_widths(ctx, seed: int) -> List[str]:
     weights = torch.rand((N, K), generator=gen).to(ctx.device)
     recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
     rows = torch.randn(recv_x.shape, generator=gen).to(torch.bfloat16).to(ctx.device)   # expert outputs
-    src_info = handle[0]
+    # every rank's handle and expert outputs: a selection's row is found by (local expert, source token); the
+    # owner's rows of a local expert from this rank are those of its layout_range entry
+    gathered = [[torch.empty_like(t) for _ in range(ctx.world_size)] for t in (handle[0], handle[1], rows)]
+    for parts, mine in zip(gathered, (handle[0], handle[1], rows)):
+        torch.distributed.all_gather(parts, mine, group=ctx.group)
+    gathered_src, gathered_layout, gathered_rows = gathered
+    E_loc = E // ctx.world_size
     problems = []
     pad_idx = torch.full((N, 1), -1, dtype=idx.dtype, device=ctx.device)
     pad_w = torch.full((N, 1), float("nan"), device=ctx.device)
@@ -1184,14 +1190,7 @@ def run_combines_of_other_topk_widths(ctx, seed: int) -> List[str]:
                            ("the dispatch's width again", idx, weights),
                            ("one column narrower", idx[:, :K - 1].contiguous(), weights[:, :K - 1].contiguous())]:
         combined = buf.low_latency_combine(rows, cidx, cw, handle)[0]
-        # the expected sum: each listed selection's row, found by (local expert, source token) in the handle:
-        # the owner's rows of a local expert from this rank are those of its layout_range entry
         expected = torch.zeros((N, H), dtype=torch.float32, device=ctx.device)
-        gathered = [[torch.empty_like(t) for _ in range(ctx.world_size)] for t in (src_info, handle[1], rows)]
-        for parts, mine in zip(gathered, (src_info, handle[1], rows)):
-            torch.distributed.all_gather(parts, mine, group=ctx.group)
-        gathered_src, gathered_layout, gathered_rows = gathered
-        E_loc = E // ctx.world_size
         for t in range(N):
             for k in range(cidx.shape[1]):
                 e = int(cidx[t, k])
