@@ -1,14 +1,15 @@
 """Pieces of the reference transport (deep_ep/transport/reference_rows.py): the low-latency combine's weighted
 sums against a plain float32 loop (every way of computing them gives the bits of adding, from +0, each
-selection's rounded product in slot order), and the field packer against the tensors it packed."""
+selection's rounded product in slot order), the field packer against the tensors it packed, and the row copy
+against indexing."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from deep_ep.transport.reference_rows import (FieldPacker, sum_by_index_add, sum_laid_out, weighted_sum_in_slot_order,
-                                              weighted_sum_of_selections)
+from deep_ep.transport.reference_rows import (FieldPacker, copy_rows, sum_by_index_add, sum_laid_out,
+                                              weighted_sum_in_slot_order, weighted_sum_of_selections)
 from randomness import base_seed, bits, generator
 
 
@@ -101,3 +102,27 @@ def test_field_packer_round_trip_in_blocks_with_counts(topk, num_scales, names):
     plain = packer.unpack(packer.pack())
     for name, rows in fields.items():
         assert torch.equal(bits(plain[name]), bits(rows)), f"seed={seed}: field {name} without counts"
+
+
+@pytest.mark.parametrize("dtype,columns,leading_bytes,trailing_bytes", [
+    (torch.bfloat16, 1024, 0, 8),        # 8-byte words
+    (torch.float8_e4m3fn, 1024, 0, 36),  # 4-byte words
+    (torch.bfloat16, 7, 2, 4),           # 2-byte words (odd width, offset of one element)
+    (torch.float8_e4m3fn, 5, 3, 0),      # bytes
+    (torch.float32, 3, 4, 0),
+])
+def test_copy_rows_places_rows_of_a_packed_matrix(dtype, columns, leading_bytes, trailing_bytes):
+    """Rows taken from the middle of packed byte rows (the widest word that the offsets allow), into rows of
+    a target at random distinct indices; the other target rows keep their bits."""
+    seed = base_seed()
+    gen = generator(seed, str(dtype), columns, leading_bytes, trailing_bytes)
+    num_rows, num_target_rows, width = 37, 50, columns * dtype.itemsize
+    packed = torch.randint(0, 256, (num_rows, leading_bytes + width + trailing_bytes), generator=gen,
+                           dtype=torch.uint8)
+    rows = packed[:, leading_bytes:leading_bytes + width].view(dtype)
+    target = torch.randint(0, 256, (num_target_rows, width), generator=gen, dtype=torch.uint8).view(dtype)
+    index = torch.randperm(num_target_rows, generator=gen)[:num_rows]
+    expected = bits(target).clone()
+    expected[index] = bits(rows)
+    copy_rows(target, index, rows)
+    assert torch.equal(bits(target), expected), f"seed={seed}"

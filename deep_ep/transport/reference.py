@@ -68,9 +68,9 @@ from ..streams import capturing
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 from .reference_fixed_size import FixedSizeLowLatency
 from .kept import Keeper
-from .reference_rows import (FieldPacker, exclusive_cumsum, gather_side_by_side, index_add_order,
-                             low_latency_receive_buffers, side_by_side, sum_in_index_order, sum_laid_out,
-                             weighted_sum_of_selections)
+from .reference_rows import (FieldPacker, copy_rows, exclusive_cumsum, gather_side_by_side,
+                             index_add_order, low_latency_receive_buffers, side_by_side, sum_in_index_order,
+                             sum_laid_out, weighted_sum_of_selections)
 
 _OPS = {"dispatch": 1, "dispatch (cached)": 2, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5}
 _HEADER_FIELDS = 14
@@ -719,7 +719,7 @@ class ReferenceTransport(Transport):
             row = (row_of_group[group] + torch.arange(group.numel(), device="cpu")).to(dev)
             if remembered is not None:   # in the order a combine returns them: by source, expert, slot
                 remembered.received[:] = [row, counts.sum(1).tolist()]
-            _copy_rows(recv_rows, row, data.to(dev))
+            copy_rows(recv_rows, row, data.to(dev))
             src_info.view(-1).index_copy_(0, row, token_index.to(dev))
             if options.use_fp8:
                 e, p = row // slots, row % slots
@@ -908,13 +908,6 @@ def _segment_ids(lengths: Sequence[int], device: torch.device = torch.device("cp
     return torch.repeat_interleave(torch.arange(len(lengths), device=device),
                                    torch.tensor(list(lengths), dtype=torch.int64, device=device),
                                    output_size=sum(lengths))
-
-
-def _copy_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    """`target[index] = rows` (2-D, one row per index) for any dtype (float8 is written as bytes)."""
-    if target.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        target, rows = target.view(torch.uint8), rows.view(torch.uint8)
-    target.index_copy_(0, index, rows)
 
 
 def _now_ns() -> int:

@@ -112,6 +112,17 @@ def side_by_side(packed: torch.Tensor, layout: List[Tuple[torch.dtype, int]]) ->
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def copy_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """`target[index] = rows` for 2-D tensors of one dtype with a contiguous last dim, the rows moved as the widest
+    integers that both layouts allow (`index_copy_` copies an element at a time: 8-byte elements move a
+    bfloat16 row ~1.7x faster than its own)."""
+    target_bytes, rows_bytes = target.view(torch.uint8), rows.view(torch.uint8)
+    unit = math.gcd(8, target_bytes.shape[1], *(t.stride(0) for t in (target_bytes, rows_bytes)),
+                    *(t.storage_offset() for t in (target_bytes, rows_bytes)))
+    words = _INT_OF_SIZE[unit]
+    target_bytes.view(words).index_copy_(0, index, rows_bytes.view(words))
+
+
 class FieldPacker:
     """Per-row tensors side by side in one byte matrix, and back. The fields are laid out largest element first
     and each row is padded to a multiple of the largest element, so that every field of a packed matrix is a
