@@ -655,15 +655,7 @@ class ReferenceTransport(Transport):
         token = slot = expert = topk_idx.new_empty(0)
         send_splits = [0] * num_ranks
         if bad_input is None:   # (nothing may run on values this rank refused)
-            selected = topk_idx >= 0
-            if mask is not None:
-                owner_masked = mask.to(topk_idx.device)[(topk_idx // experts_per_rank).clamp(0, num_ranks - 1)] != 0
-                selected &= ~owner_masked
-            token, slot = selected.nonzero(as_tuple=True)          # ordered by (token, slot)
-            expert = topk_idx[token, slot]
-            order = torch.sort(expert, stable=True).indices         # by expert, then (token, slot)
-            token, slot, expert = token[order], slot[order], expert[order]
-            send_splits = torch.bincount(expert // experts_per_rank, minlength=num_ranks).tolist()
+            token, slot, expert, send_splits = _selections_by_expert(topk_idx, mask, num_ranks, experts_per_rank)
         # the rows for each rank travel with the header (Note [one row exchange])
         agreed = self._start_agreement("low_latency_dispatch", fields, extra=send_splits, ranks=ranks,
                                        bad_input=bad_input)
@@ -806,6 +798,32 @@ class ReferenceTransport(Transport):
                 _add_wait(wait_stats, waited + roll_call_ns, counted)
 
         return receive
+
+
+def _selections_by_expert(topk_idx: torch.Tensor, mask: Optional[torch.Tensor], num_ranks: int,
+                          experts_per_rank: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int]]:
+    """The (token, top-k slot) selections of a low-latency dispatch, sorted by expert, then token and slot (the
+    order in which their rows are sent): their tokens, slots and experts, and how many go to each rank. Ids
+    -1, and under a shrink `mask` the ids of masked ranks' experts, select nothing."""
+    flat = topk_idx.reshape(-1)
+    if mask is not None:
+        owner_masked = mask.to(flat.device)[(flat // experts_per_rank).clamp(0, num_ranks - 1)] != 0
+        flat = torch.where(owner_masked, -1, flat)
+    # (a stable sort of the flat ids keeps (token, slot) order within an expert; the unselected sort first)
+    sorted_expert, order = torch.sort(flat, stable=True)
+    first = torch.searchsorted(sorted_expert, _first_expert_of_ranks(num_ranks, experts_per_rank, flat.dtype,
+                                                                     flat.device)).tolist()
+    send_splits = [first[r + 1] - first[r] for r in range(num_ranks)]
+    selection, expert = order[first[0]:first[-1]], sorted_expert[first[0]:first[-1]]
+    token = selection.div(topk_idx.shape[1], rounding_mode="floor")
+    return token, selection - token * topk_idx.shape[1], expert, send_splits
+
+
+@functools.lru_cache(maxsize=16)
+def _first_expert_of_ranks(num_ranks: int, experts_per_rank: int, dtype: torch.dtype, device: torch.device
+                           ) -> torch.Tensor:
+    """[R + 1]: the first expert id of each rank, then the number of experts."""
+    return torch.arange(0, (num_ranks + 1) * experts_per_rank, experts_per_rank, dtype=dtype, device=device)
 
 
 def _rows_to_return(layout_range: torch.Tensor, slots: int) -> Tuple[torch.Tensor, List[int]]:
