@@ -171,11 +171,18 @@ class FieldPacker:
         tails = rows.new_zeros((len(send_splits), k * self.row_bytes))
         tails[:, :width * 4] = rows_as_bytes(counts.to(torch.int32).contiguous())
         tails = tails.view(len(send_splits), k, self.row_bytes)
+        words = self._words()
+        rows, tails = rows.view(words), tails.view(words)
         pieces, start = [], 0
         for destination, count in enumerate(send_splits):
             pieces += [rows[start:start + count], tails[destination]]
             start += count
-        return torch.cat(pieces), k
+        return torch.cat(pieces).view(torch.uint8), k
+
+    def _words(self) -> torch.dtype:
+        """The widest integers a packed row is made of: joining blocks of rows as those copies a few times fewer
+        elements (a copy of more than ~32K elements starts threads, one parallel region per block on the CPU)."""
+        return _INT_OF_SIZE[math.gcd(8, self.row_bytes)]
 
     def unpack(self, packed: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The fields of packed rows, as views of `packed` by name."""
@@ -189,14 +196,15 @@ class FieldPacker:
                            ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
         """The inverse of `pack_with_counts` on the receiving side (blocks of `recv_splits` rows, one per source):
         the fields of all blocks' rows (views of one copy of them), and the counts (`[sources, width]` int32)."""
+        words = received.view(self._words())
         pieces, tails, start = [], [], 0
         for count in recv_splits:
-            pieces.append(received[start:start + count])
-            tails.append(received[start + count:start + count + k])
+            pieces.append(words[start:start + count])
+            tails.append(words[start + count:start + count + k])
             start += count + k
         rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        counts = torch.cat(tails).view(len(recv_splits), -1)[:, :width * 4].contiguous().view(torch.int32)
-        return self.unpack(rows), counts
+        counts = torch.cat(tails).view(torch.uint8).view(len(recv_splits), -1)[:, :width * 4].contiguous()
+        return self.unpack(rows.view(torch.uint8)), counts.view(torch.int32)
 
 
 def low_latency_receive_buffers(experts_per_rank: int, slots: int, hidden: int, options, device: torch.device,
