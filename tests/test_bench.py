@@ -64,6 +64,17 @@ def test_bench_json_cpu():
     assert proc.stderr.count("[deep_ep.bench] [") == 10
 
 
+def test_bench_without_the_isolated_series():
+    """--no-isolated: the calls timed back to back and their ratios only; the isolated column is absent."""
+    proc = _bench("--json", "--no-isolated", "--mode", "low-latency")
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    report = json.loads(proc.stdout)
+    assert report["verification"]["passed"] is True
+    for name, op in report["ops"].items():
+        assert op["isolated_us"] is None and op["time_us"] > 0, name
+        assert op["ratio_vs_baseline"] == pytest.approx(op["time_us"] / op["baseline"]["time_us"]), name
+
+
 def test_bench_profile_cpu():
     """--profile: each timed operation's host time per call by function, ours beside the baseline's."""
     proc = _bench("--json", "--profile", "--mode", "normal")

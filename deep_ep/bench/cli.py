@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the timed calls, as many more of each operation (ours and the baseline) under "
                         "cProfile, and one counting its tensor operations; after the table, rank 0's host time "
                         "per call by function and its tensor operations per call")
+    p.add_argument("--no-isolated", action="store_true",
+                   help="skip the series of calls each after a barrier (half the timed calls; the isolated column "
+                        "shows '-')")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="bar chart of the times (needs matplotlib)")
     return p
 
@@ -112,7 +115,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[
         parser.error(f"--num-sms must be even, got {args.num_sms}")
     plan.update(num_ranks=num_ranks, device=device, backend=backend, num_gpus=num_gpus, modes=modes,
                 transport=args.transport, num_sms=args.num_sms, nvl_bytes=args.nvl_bytes, seed=args.seed,
-                profile=args.profile)
+                profile=args.profile, isolated=not args.no_isolated)
     return plan
 
 
