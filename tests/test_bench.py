@@ -87,6 +87,13 @@ def test_bench_profile_cpu():
             assert all(0 <= us <= total for _, us, _ in rest), name
             assert rest == sorted(rest, key=lambda row: -row[1]), name
     assert any("all_to_all_single" in row[0] for row in ops["combine"]["baseline_functions"])
+    for name in ("dispatch_bf16", "dispatch_cached", "combine"):   # own time by tensor operation
+        for op_times in (ops[name]["tensor_op_times"], ops[name]["baseline_tensor_op_times"]):
+            (label, total, calls), *rest = op_times
+            assert label == "total" and total > 0 and calls == 1 and rest, name
+            assert all(0 <= us <= total + 1e-6 and count > 0 for _, us, count in rest), name
+            assert rest == sorted(rest, key=lambda row: -row[1]), name
+        assert any(row[0] == "c10d::alltoall_base_" for row in ops[name]["baseline_tensor_op_times"]), name
     for name in ("dispatch_bf16", "dispatch_cached", "combine"):   # the baseline's, at least: a gather, an exchange
         assert ops[name]["tensor_ops"] > 0 and ops[name]["baseline_tensor_ops"] >= 2, name
     assert "dispatch BF16 [ours]" in proc.stderr and "dispatch BF16 [baseline]" in proc.stderr

@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the table, each operation's kernels and copies with their microseconds per call (GPU)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed calls, as many more of each operation (ours and the baseline) under "
-                        "cProfile, and one counting its tensor operations; after the table, rank 0's host time "
-                        "per call by function and its tensor operations per call")
+                        "cProfile, one counting its tensor operations and as many again under torch.profiler; after "
+                        "the table, rank 0's host time per call by function, its tensor operations per call and "
+                        "their own time by operator")
     p.add_argument("--no-isolated", action="store_true",
                    help="skip the series of calls each after a barrier (half the timed calls; the isolated column "
                         "shows '-')")

@@ -138,7 +138,8 @@ class RankContext:
                 each["functions"] = functions
             for fn, each in zip(fns, times):
                 each["tensor_ops"] = self._count_tensor_ops(lambda: fn(0))
-            self.barrier()
+                each["tensor_op_times"] = self._tensor_op_times(fn, num_inputs)
+                self.barrier()
         return times
 
     def _flush(self, marked: bool = False) -> None:
@@ -237,6 +238,21 @@ class RankContext:
         self.sync()
         return Counter.count
 
+    def _tensor_op_times(self, fn: Callable[[int], Any], num_inputs: int, top: int = 10) -> List[list]:
+        """Where the host time of `iters` more calls of `fn` goes by tensor operation (torch.profiler's self CPU
+        time of each ATen operator, collectives as the operator that starts them, not their wait): [name, own
+        microseconds per call, calls per call] of the `top` costliest, the first entry their sum over all
+        operators ("total"). The calls run back to back, not taking turns with another function."""
+        from torch.profiler import ProfilerActivity, profile
+        iters = self.plan["iters"]
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            for call in range(iters):
+                fn(call % num_inputs)
+            self.sync()
+        rows = sorted(((event.key, event.self_cpu_time_total / iters, event.count / iters)
+                       for event in profiler.key_averages()), key=lambda row: -row[1])
+        return [["total", sum(row[1] for row in rows), 1.0]] + [list(row) for row in rows[:top]]
+
     def _kernel_series(self, fn: Callable[[], Any]) -> Tuple[List[float], Dict[str, float]]:
         """GPU busy seconds per call over `iters` calls, each after a flush (profiled; flushes left out), and
         each kernel's (or copy's) microseconds per call."""
@@ -321,7 +337,8 @@ def record(results: Dict[str, Any], name: str, times: Dict[str, List[float]], nb
                          kernel_us=median_us(times["kernel"]) if "kernel" in times else None,
                          kernels=times.get("kernels"), functions=times.get("functions"),
                          baseline_functions=baseline_times.get("functions") if baseline_times else None,
-                         tensor_ops=times.get("tensor_ops"),
+                         tensor_ops=times.get("tensor_ops"), tensor_op_times=times.get("tensor_op_times"),
+                         baseline_tensor_op_times=baseline_times.get("tensor_op_times") if baseline_times else None,
                          baseline_tensor_ops=baseline_times.get("tensor_ops") if baseline_times else None,
                          bytes=nbytes, link_bytes=link_bytes,
                          baseline_time_us=median_us(baseline_times["streamed"]) if baseline_times else None)

@@ -46,6 +46,8 @@ def summarise(plan: Dict[str, Any], result: Dict[str, Any], wall_s: float) -> Di
                                      baseline_functions=mine.get("baseline_functions"),
                                      tensor_ops=mine.get("tensor_ops"),
                                      baseline_tensor_ops=mine.get("baseline_tensor_ops"),
+                                     tensor_op_times=mine.get("tensor_op_times"),
+                                     baseline_tensor_op_times=mine.get("baseline_tensor_op_times"),
                                      time_us_max_rank=max(r[name]["time_us"] for r in per_rank),
                                      time_us_per_rank=[r[name]["time_us"] for r in per_rank],
                                      bytes=mine["bytes"],
@@ -139,8 +141,8 @@ def format_kernels(report: Dict[str, Any]) -> str:
 
 
 def format_functions(report: Dict[str, Any], top: int = 8) -> str:
-    """Rank 0's host time per operation by function (cProfile's own time, us per call) and its tensor
-    operations per call, ours beside the baseline's (runs with --profile)."""
+    """Rank 0's host time per operation by function (cProfile's own time, us per call), its tensor operations
+    per call and their own time by operator (torch.profiler), ours beside the baseline's (runs with --profile)."""
     lines = []
     for entry in report["ops"].values():
         for who, functions, tensor_ops in (("ours", entry.get("functions"), entry.get("tensor_ops")),
@@ -153,6 +155,13 @@ def format_functions(report: Dict[str, Any], top: int = 8) -> str:
             others = total[1] - sum(us for _, us, _ in rest[:top])
             lines.append(f"{entry['label']} [{who}] {total[1]:.0f} us/call, {tensor_ops} tensor operations: {parts}; "
                          f"all other functions {others:.0f}")
+        for who, op_times in (("ours", entry.get("tensor_op_times")),
+                              ("baseline", entry.get("baseline_tensor_op_times"))):
+            if not op_times:
+                continue
+            total, *rest = op_times
+            parts = ", ".join(f"{name} {us:.0f} ({calls:g}x)" for name, us, calls in rest[:top])
+            lines.append(f"{entry['label']} [{who}] tensor operations' own time {total[1]:.0f} us/call: {parts}")
     return "\n".join(lines)
 
 
