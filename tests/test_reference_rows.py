@@ -126,3 +126,31 @@ def test_copy_rows_places_rows_of_a_packed_matrix(dtype, columns, leading_bytes,
     expected[index] = bits(rows)
     copy_rows(target, index, rows)
     assert torch.equal(bits(target), expected), f"seed={seed}"
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_field_packer_takes_fields_at_any_storage_offset(offset):
+    """Fields that are views of a larger tensor starting at any element (their bytes not aligned to the words
+    the packer joins them as) round-trip, alone and beside another field, in blocks with count rows."""
+    seed = base_seed()
+    gen = generator(seed, offset)
+    ints = torch.randint(-2 ** 31, 2 ** 31 - 1, (offset + 14,), generator=gen, dtype=torch.int32)[offset:].view(7, 2)
+    halves = torch.randn(offset + 28, generator=gen).to(torch.bfloat16)[offset:].view(7, 4)
+    one_row = torch.randint(0, 100, (1, 7), generator=gen, dtype=torch.int32)[:, offset:offset + 4]
+    counts = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, 3), generator=gen, dtype=torch.int32)
+    for fields, splits in (({"ints": ints}, [3, 4]), ({"ints": ints, "halves": halves}, [5, 2]),
+                           ({"one_row": one_row}, [0, 1])):
+        packer = FieldPacker()
+        for name, rows in fields.items():
+            packer.add(name, rows)
+        packed, k = packer.pack_with_counts(splits, counts)
+        got, got_counts = packer.unpack_with_counts(packed, splits, k, counts.shape[1])
+        assert torch.equal(got_counts, counts), f"seed={seed}: counts"
+        for name, rows in fields.items():
+            assert torch.equal(bits(got[name]), bits(rows)), f"seed={seed}: field {name} of {list(fields)}"
+
+
+def test_copy_rows_refuses_rows_of_another_dtype():
+    target = torch.zeros((4, 8), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float16"):
+        copy_rows(target, torch.tensor([0]), torch.ones((1, 8), dtype=torch.float16))

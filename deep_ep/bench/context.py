@@ -120,10 +120,10 @@ class RankContext:
             for fn in fns:
                 fn(call % num_inputs)
         problems: List[str] = []
-        isolated = [([], [])] * len(fns)
+        isolated = [([], []) for _ in fns]
         if self.plan.get("isolated", True):
             isolated = self._series(fns, num_inputs, checks, problems, barrier_each=True)
-            self.barrier()
+        self.barrier()
         streamed = self._series(fns, num_inputs, checks, problems, barrier_each=False)
         self.barrier()
         if any(checks):

@@ -112,14 +112,21 @@ def side_by_side(packed: torch.Tensor, layout: List[Tuple[torch.dtype, int]]) ->
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def word_size(*matrices: torch.Tensor) -> int:
+    """The widest integer size (1, 2, 4 or 8 bytes) that divides the row width, the row stride and the storage
+    offset in bytes of each of these 2-D tensors (each with a contiguous last dim): all can be viewed as
+    integers of that size."""
+    return math.gcd(8, *(value * t.element_size() for t in matrices
+                         for value in (t.shape[1], t.stride(0), t.storage_offset())))
+
+
 def copy_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
     """`target[index] = rows` for 2-D tensors of one dtype with a contiguous last dim, the rows moved as the widest
     integers that both layouts allow (`index_copy_` copies an element at a time: 8-byte elements move a
     bfloat16 row ~1.7x faster than its own)."""
-    size = target.element_size()   # (every figure below a multiple of it: the words are at least as wide)
-    unit = math.gcd(8, target.shape[1] * size, *(t.stride(0) * size for t in (target, rows)),
-                    *(t.storage_offset() * size for t in (target, rows)))
-    words = _INT_OF_SIZE[unit]
+    if rows.dtype != target.dtype:
+        raise ValueError(f"copy_rows: rows of {rows.dtype} into a target of {target.dtype}")
+    words = _INT_OF_SIZE[word_size(target, rows)]
     target.view(words).index_copy_(0, index, rows.view(words))
 
 
@@ -154,9 +161,10 @@ class FieldPacker:
         padding = self.row_bytes - sum(nbytes for *_, nbytes in self.fields)
         if len(self._rows) == 1 and not padding:
             return rows_as_bytes(self._rows[0].contiguous())
-        unit = math.gcd(8, padding, *(nbytes for *_, nbytes in self.fields))
+        parts = [rows_as_bytes(rows.contiguous()) for rows in self._rows]
+        unit = math.gcd(padding, word_size(*parts))
         as_units = _INT_OF_SIZE[unit]
-        parts = [rows_as_bytes(rows.contiguous()).view(as_units) for rows in self._rows]
+        parts = [part.view(as_units) for part in parts]
         if padding:
             parts.append(parts[0].new_zeros((num_rows, padding // unit)))
         joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -171,18 +179,14 @@ class FieldPacker:
         tails = rows.new_zeros((len(send_splits), k * self.row_bytes))
         tails[:, :width * 4] = rows_as_bytes(counts.to(torch.int32).contiguous())
         tails = tails.view(len(send_splits), k, self.row_bytes)
-        words = self._words()
+        # (joined as words: a cat of over 32K elements with several threads copies each block by itself)
+        words = _INT_OF_SIZE[word_size(rows)]
         rows, tails = rows.view(words), tails.view(words)
         pieces, start = [], 0
         for destination, count in enumerate(send_splits):
             pieces += [rows[start:start + count], tails[destination]]
             start += count
         return torch.cat(pieces).view(torch.uint8), k
-
-    def _words(self) -> torch.dtype:
-        """The widest integers a packed row is made of: joining blocks of rows as those copies a few times fewer
-        elements (a copy of more than ~32K elements starts threads, one parallel region per block on the CPU)."""
-        return _INT_OF_SIZE[math.gcd(8, self.row_bytes)]
 
     def unpack(self, packed: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The fields of packed rows, as views of `packed` by name."""
@@ -196,7 +200,7 @@ class FieldPacker:
                            ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
         """The inverse of `pack_with_counts` on the receiving side (blocks of `recv_splits` rows, one per source):
         the fields of all blocks' rows (views of one copy of them), and the counts (`[sources, width]` int32)."""
-        words = received.view(self._words())
+        words = received.view(_INT_OF_SIZE[word_size(received)])
         pieces, tails, start = [], [], 0
         for count in recv_splits:
             pieces.append(words[start:start + count])
