@@ -9,8 +9,12 @@ barrier, which they do not use, is skipped (`--no-isolated`: half the time of a 
 
 Shapes: `cpu` is the benchmark's CPU default (512 tokens, hidden 1024, top-8, 64 experts; low latency 64
 tokens, 64 experts), `large` 2048 tokens and hidden 4096 (low latency 128 tokens). Threads as the benchmark
-sets them (the cores shared between the ranks). Prints one table per (shape, ranks), writes the figures to
-`--json` if given, and exits 1 if a run failed or a row's median ratio is above `--limit` (default 1.15).
+sets them (the cores shared between the ranks). Prints one table per (shape, ranks) and exits 1 if a run failed
+or a row's median ratio is above `--limit` (default 1.15). With `--json FILE`, the figures go into FILE after each
+(shape, ranks), merged with what it holds: a record per (shape, ranks, operation), each with its commit, date,
+machine, torch version and command, replacing an older one of the same key (so one file gathers the latest
+figures of calls made at different times; `--commit` names the code where `git` cannot, e.g. in a copy of
+the tree).
 """
 from __future__ import annotations
 
@@ -48,10 +52,12 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2])
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--limit", type=float, default=1.15, help="the highest median ratio that passes")
-    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--json", type=Path, help="merge the figures into this file (see above)")
+    parser.add_argument("--commit", help="the commit the records name (default: git rev-parse --short HEAD)")
+    parser.add_argument("--machine", help="the machine the records name (default: its processor and cores)")
     args = parser.parse_args()
     over = False
-    records = []
+    about = _about(args) if args.json else {}
     for shape in args.shapes:
         for ranks in args.ranks:
             ratios: Dict[str, List[float]] = {}
@@ -61,23 +67,46 @@ def main() -> int:
             print(f"\nshape {shape}, {ranks} ranks: ours / baseline, median of {args.runs} runs "
                   f"({args.iters} timed calls each)")
             print(f"{'operation':22s} {'median':>7s} {'min':>6s} {'max':>6s}  runs")
+            records = []
             for label, values in ratios.items():
                 median = statistics.median(values)
                 over |= median > args.limit
-                records.append(dict(shape=shape, ranks=ranks, operation=label, median=median, runs=values))
+                records.append(dict(shape=shape, ranks=ranks, operation=label, median=round(median, 3),
+                                    runs=[round(v, 3) for v in values], **about))
                 print(f"{label:22s} {median:7.2f} {min(values):6.2f} {max(values):6.2f}  "
                       + " ".join(f"{v:.2f}" for v in values))
-    if args.json:
-        import torch
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE,
-                                text=True).stdout.strip()
-        args.json.write_text(json.dumps(dict(
-            figure="reference transport time / baseline time per call (ours and the baseline taking turns)",
-            date=datetime.date.today().isoformat(), commit=commit, cpus=os.cpu_count(),
-            machine=platform.processor() or platform.machine(), torch=torch.__version__,
-            command="python benchmarks/reference_vs_baseline.py " + " ".join(sys.argv[1:]),
-            runs=args.runs, iters=args.iters, records=records), indent=1) + "\n")
+            if args.json:
+                _merge(args.json, records)
     return 1 if over else 0
+
+
+def _about(args: argparse.Namespace) -> Dict[str, object]:
+    """What every record of this invocation names besides its figures."""
+    import torch
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                           stdout=subprocess.PIPE, text=True).stdout.strip()
+    machine = args.machine or f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    return dict(commit=commit, date=datetime.date.today().isoformat(), machine=machine, cpus=os.cpu_count(),
+                torch=torch.__version__, iters=args.iters,
+                command="python benchmarks/reference_vs_baseline.py " + " ".join(sys.argv[1:]))
+
+
+_FIGURE = "reference transport time / baseline time per call (ours and the baseline taking turns)"
+
+
+def _merge(path: Path, records: List[Dict[str, object]]) -> None:
+    """`records` into the file at `path`, replacing its records of the same (shape, ranks, operation); records
+    of a file written before records carried their own commit get the file's."""
+    kept: List[Dict[str, object]] = []
+    if path.exists():
+        old = json.loads(path.read_text())
+        shared = {k: v for k, v in old.items() if k in ("commit", "date", "machine", "cpus", "torch", "iters",
+                                                        "command")}
+        kept = [{**shared, **record} for record in old.get("records", [])]
+    new_keys = {(r["shape"], r["ranks"], r["operation"]) for r in records}
+    kept = [r for r in kept if (r["shape"], r["ranks"], r["operation"]) not in new_keys] + records
+    kept.sort(key=lambda r: (str(r["shape"]), int(r["ranks"])))
+    path.write_text(json.dumps(dict(figure=_FIGURE, records=kept), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -207,3 +207,24 @@ def test_sweep_normal_cpu():
     assert proc.returncode == 0, proc.stderr
     killed = [line for line in proc.stdout.splitlines() if "FAILED (killed after 0.5 s)" in line]
     assert len(killed) == 2, proc.stdout
+
+
+def test_reference_vs_baseline_merges_its_records(tmp_path):
+    """benchmarks/reference_vs_baseline.py --json: each (shape, ranks, operation) record replaces an older one of
+    the same key and names its own commit; records of other keys stay."""
+    path = tmp_path / "rvb.json"
+    other = dict(shape="large", ranks=8, operation="dispatch BF16", median=1.0, runs=[1.0])
+    path.write_text(json.dumps(dict(commit="aaaaaaa", records=[other])))
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "reference_vs_baseline.py"), "--runs", "1",
+               "--iters", "2", "--ranks", "2", "--shapes", "cpu", "--limit", "1000", "--json", str(path)]
+    for commit in ("bbbbbbb", "ccccccc"):
+        proc = subprocess.run(command + ["--commit", commit], capture_output=True, text=True, timeout=300,
+                              env=_env(), cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = json.loads(path.read_text())["records"]
+    assert [r for r in records if r["shape"] == "large"] == [dict(other, commit="aaaaaaa")]
+    mine = [r for r in records if r["shape"] == "cpu"]
+    assert {r["operation"] for r in mine} >= {"dispatch BF16", "cached dispatch BF16", "LL combine BF16"}
+    assert len(mine) == len({r["operation"] for r in mine})
+    assert all(r["commit"] == "ccccccc" and r["ranks"] == 2 and len(r["runs"]) == 1 and r["median"] > 0
+               for r in mine)
