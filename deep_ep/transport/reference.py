@@ -68,7 +68,7 @@ from ..streams import capturing
 from .base import DispatchOutput, LowLatencyDispatchOutput, Transport
 from .reference_fixed_size import FixedSizeLowLatency
 from .kept import Keeper
-from .reference_rows import (FieldPacker, copy_rows, exclusive_cumsum, gather_side_by_side,
+from .reference_rows import (INT_OF_SIZE, FieldPacker, copy_rows, exclusive_cumsum, gather_side_by_side,
                              index_add_order, low_latency_receive_buffers, side_by_side, sum_in_index_order,
                              sum_laid_out, weighted_sum_of_selections)
 
@@ -78,7 +78,6 @@ _HEADER_FIELDS = 14
 # integers of their element size
 _SELECTABLE = {torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int16, torch.int32,
                torch.int64, torch.uint8, torch.bool}
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -87,7 +86,7 @@ def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     wider = t.element_size() == 16   # viewed as twice as many int64: needs a contiguous last dim
     if t.dtype in _SELECTABLE or t.requires_grad or (wider and t.stride(-1) != 1):
         return t.index_select(0, index)
-    return t.view(_INT_OF_SIZE[t.element_size()]).index_select(0, index).view(t.dtype)
+    return t.view(INT_OF_SIZE[min(t.element_size(), 8)]).index_select(0, index).view(t.dtype)
 
 
 def dispatch_fields(x, x_scales, topk_idx, num_channels: int, **more: int) -> Dict[str, int]:

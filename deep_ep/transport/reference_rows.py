@@ -109,7 +109,8 @@ def side_by_side(packed: torch.Tensor, layout: List[Tuple[torch.dtype, int]]) ->
     return parts
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# the integer dtype of each element size (rows moved as integers: bit for bit, whatever their dtype)
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def word_size(*matrices: torch.Tensor) -> int:
@@ -126,7 +127,7 @@ def copy_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> 
     bfloat16 row ~1.7x faster than its own)."""
     if rows.dtype != target.dtype:
         raise ValueError(f"copy_rows: rows of {rows.dtype} into a target of {target.dtype}")
-    words = _INT_OF_SIZE[word_size(target, rows)]
+    words = INT_OF_SIZE[word_size(target, rows)]
     target.view(words).index_copy_(0, index, rows.view(words))
 
 
@@ -143,7 +144,8 @@ class FieldPacker:
     def add(self, name: str, rows: torch.Tensor) -> None:
         """A field: `rows` has a row per packed row (any shape after it)."""
         self._rows.append(rows)
-        self.fields.append((name, rows.dtype, tuple(rows.shape[1:]), 0, math.prod(rows.shape[1:]) * rows.element_size()))
+        nbytes = math.prod(rows.shape[1:]) * rows.element_size()
+        self.fields.append((name, rows.dtype, tuple(rows.shape[1:]), 0, nbytes))
         order = sorted(range(len(self.fields)), key=lambda i: -self.fields[i][1].itemsize)
         self.fields = [self.fields[i] for i in order]
         self._rows = [self._rows[i] for i in order]
@@ -163,7 +165,7 @@ class FieldPacker:
             return rows_as_bytes(self._rows[0].contiguous())
         parts = [rows_as_bytes(rows.contiguous()) for rows in self._rows]
         unit = math.gcd(padding, word_size(*parts))
-        as_units = _INT_OF_SIZE[unit]
+        as_units = INT_OF_SIZE[unit]
         parts = [part.view(as_units) for part in parts]
         if padding:
             parts.append(parts[0].new_zeros((num_rows, padding // unit)))
@@ -180,7 +182,7 @@ class FieldPacker:
         tails[:, :width * 4] = rows_as_bytes(counts.to(torch.int32).contiguous())
         tails = tails.view(len(send_splits), k, self.row_bytes)
         # (joined as words: a cat of over 32K elements with several threads copies each block by itself)
-        words = _INT_OF_SIZE[word_size(rows)]
+        words = INT_OF_SIZE[word_size(rows)]
         rows, tails = rows.view(words), tails.view(words)
         pieces, start = [], 0
         for destination, count in enumerate(send_splits):
@@ -200,7 +202,7 @@ class FieldPacker:
                            ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
         """The inverse of `pack_with_counts` on the receiving side (blocks of `recv_splits` rows, one per source):
         the fields of all blocks' rows (views of one copy of them), and the counts (`[sources, width]` int32)."""
-        words = received.view(_INT_OF_SIZE[word_size(received)])
+        words = received.view(INT_OF_SIZE[word_size(received)])
         pieces, tails, start = [], [], 0
         for count in recv_splits:
             pieces.append(words[start:start + count])
