@@ -221,7 +221,11 @@ class Group:
         if ranks is None:
             flat = staged.new_empty(self.size * staged.numel())
             with self._starting(what):
-                work = _all_gather_single(flat, staged.view(-1), group=self.group, async_op=True)
+                if staged.is_cuda:
+                    work = _all_gather_single(flat, staged.view(-1), group=self.group, async_op=True)
+                else:   # gloo gathers in a ring of R - 1 dependent steps; an all-to-all of R copies is one round
+                    work = dist.all_to_all_single(flat, staged.view(-1).repeat(self.size), group=self.group,
+                                                  async_op=True)
             return Pending(self, [(work, None)], what, flat,
                            lambda: flat.view(self.size, *staged.shape).to(tensor.device))
         gathered = staged.new_zeros((self.size, *staged.shape))
