@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def _about(args: argparse.Namespace) -> Dict[str, object]:
     machine = args.machine or f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     return dict(commit=commit, date=datetime.date.today().isoformat(), machine=machine, cpus=os.cpu_count(),
                 torch=torch.__version__, iters=args.iters,
-                command="python benchmarks/reference_vs_baseline.py " + " ".join(sys.argv[1:]))
+                command=shlex.join(["python", "benchmarks/reference_vs_baseline.py", *sys.argv[1:]]))
 
 
 _FIGURE = "reference transport time / baseline time per call (ours and the baseline taking turns)"
