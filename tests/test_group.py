@@ -1,4 +1,5 @@
-"""deep_ep.group's point-to-point exchanges (low-latency steps under a shrink mask): the ranks that never come
+"""deep_ep.group: the all-gather of the whole group stacks every rank's tensor in rank order (on gloo an
+all-to-all of copies); point-to-point exchanges (low-latency steps under a shrink mask): the ranks that never come
 are named (alone: not the ranks that came), within one timeout for the whole exchange; a failed exchange is not
 waited on again; a backend that refuses to start one leaves the group refused too; works of backends whose wait
 ignores its timeout are polled; rows of any layout as bytes."""
@@ -50,6 +51,28 @@ def run_all_to_all_with_an_absent_rank(ctx) -> Dict[str, Any]:
     except RuntimeError as error:
         out["again"], out["again_s"] = str(error), time.monotonic() - start
     return out
+
+
+def run_all_gathers(ctx) -> Dict[str, Any]:
+    """Every rank gathers tensors of its own values (several dtypes and shapes, one empty) from the whole group."""
+    group = Group(ctx.group, None, TIMEOUT_S, ctx.device)
+    cases = {"int64 row": torch.arange(5, dtype=torch.int64) * 10 + ctx.rank,
+             "uint8 2-D": torch.full((2, 3), 7 * ctx.rank + 1, dtype=torch.uint8),
+             "one value": torch.tensor([float(ctx.rank) + 0.5]),
+             "empty": torch.empty(0, 4, dtype=torch.int32)}
+    return {name: group.all_gather(t.to(ctx.device), name).cpu() for name, t in cases.items()}
+
+
+def test_all_gather_stacks_the_ranks_tensors_in_rank_order(pool):
+    results = pool(3).run(run_all_gathers, timeout=60)
+    expected = {"int64 row": torch.stack([torch.arange(5, dtype=torch.int64) * 10 + r for r in range(3)]),
+                "uint8 2-D": torch.stack([torch.full((2, 3), 7 * r + 1, dtype=torch.uint8) for r in range(3)]),
+                "one value": torch.tensor([[0.5], [1.5], [2.5]]),
+                "empty": torch.empty(3, 0, 4, dtype=torch.int32)}
+    for rank, out in enumerate(results):
+        for name, want in expected.items():
+            got = out[name]
+            assert got.dtype == want.dtype and torch.equal(got, want), f"rank {rank}, {name}: {got} != {want}"
 
 
 def test_an_absent_rank_is_named_alone_within_one_timeout(pool):
