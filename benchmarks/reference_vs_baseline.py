@@ -14,7 +14,9 @@ or a row's median ratio is above `--limit` (default 1.15). With `--json FILE`, t
 (shape, ranks), merged with what it holds: a record per (shape, ranks, operation), each with its commit, date,
 machine, torch version and command, replacing an older one of the same key (so one file gathers the latest
 figures of calls made at different times; `--commit` names the code where `git` cannot, e.g. in a copy of
-the tree).
+the tree). With `--add-runs` the runs join those of the file's record of the same key where it names the same
+commit, machine and timed calls (a set of runs longer than one invocation may take, made in parts), and the
+median is taken over all of them.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"cpu": [], "large": ["--tokens", "2048", "--hidden", "4096", "--ll-tokens", "128"]}
@@ -56,7 +58,11 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="merge the figures into this file (see above)")
     parser.add_argument("--commit", help="the commit the records name (default: git rev-parse --short HEAD)")
     parser.add_argument("--machine", help="the machine the records name (default: its processor and cores)")
+    parser.add_argument("--add-runs", action="store_true",
+                        help="join the runs of --json's records of the same commit and machine (see above)")
     args = parser.parse_args()
+    if args.add_runs and not args.json:
+        parser.error("--add-runs needs --json FILE (the records whose runs it joins)")
     over = False
     about = _about(args) if args.json else {}
     for shape in args.shapes:
@@ -64,17 +70,24 @@ def main() -> int:
             ratios: Dict[str, List[float]] = {}
             for _ in range(args.runs):
                 for label, ratio in _run(ranks, shape, args.iters).items():
-                    ratios.setdefault(label, []).append(ratio)
-            print(f"\nshape {shape}, {ranks} ranks: ours / baseline, median of {args.runs} runs "
-                  f"({args.iters} timed calls each)")
-            print(f"{'operation':22s} {'median':>7s} {'min':>6s} {'max':>6s}  runs")
+                    ratios.setdefault(label, []).append(round(ratio, 3))
+            earlier = _earlier_records(args.json, about, shape, ranks) if args.add_runs else {}
             records = []
             for label, values in ratios.items():
+                before = earlier.get(label, {})
+                values = before.get("runs", []) + values
                 median = statistics.median(values)
                 over |= median > args.limit
-                records.append(dict(shape=shape, ranks=ranks, operation=label, median=round(median, 3),
-                                    runs=[round(v, 3) for v in values], **about))
-                print(f"{label:22s} {median:7.2f} {min(values):6.2f} {max(values):6.2f}  "
+                record = dict(shape=shape, ranks=ranks, operation=label, median=round(median, 3), runs=values)
+                if about:   # (the command of joined runs: each invocation's in turn)
+                    record.update(about, command=" && ".join(filter(None, [before.get("command"), about["command"]])))
+                records.append(record)
+            print(f"\nshape {shape}, {ranks} ranks: ours / baseline, median of "
+                  f"{max(len(r['runs']) for r in records)} runs ({args.iters} timed calls each)")
+            print(f"{'operation':22s} {'median':>7s} {'min':>6s} {'max':>6s}  runs")
+            for record in records:
+                values = record["runs"]
+                print(f"{record['operation']:22s} {record['median']:7.2f} {min(values):6.2f} {max(values):6.2f}  "
                       + " ".join(f"{v:.2f}" for v in values))
             if args.json:
                 _merge(args.json, records)
@@ -93,6 +106,17 @@ def _about(args: argparse.Namespace) -> Dict[str, object]:
 
 
 _FIGURE = "reference transport time / baseline time per call (ours and the baseline taking turns)"
+
+
+def _earlier_records(path: Optional[Path], about: Dict[str, object], shape: str, ranks: int
+                     ) -> Dict[str, Dict[str, object]]:
+    """The records of `path` for (shape, ranks) by operation whose runs `--add-runs` joins: those of the same
+    commit, machine and timed calls as this invocation's."""
+    if path is None or not path.exists():
+        return {}
+    same = ("commit", "machine", "iters")
+    return {r["operation"]: r for r in json.loads(path.read_text()).get("records", [])
+            if r["shape"] == shape and r["ranks"] == ranks and all(r.get(k) == about[k] for k in same)}
 
 
 def _merge(path: Path, records: List[Dict[str, object]]) -> None:

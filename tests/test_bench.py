@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
+from typing import List
 
 import pytest
 
@@ -211,20 +213,32 @@ def test_sweep_normal_cpu():
 
 def test_reference_vs_baseline_merges_its_records(tmp_path):
     """benchmarks/reference_vs_baseline.py --json: each (shape, ranks, operation) record replaces an older one of
-    the same key and names its own commit; records of other keys stay."""
+    the same key and names its own commit; records of other keys stay; --add-runs joins the runs of a record of
+    the same commit (not of another)."""
     path = tmp_path / "rvb.json"
     other = dict(shape="large", ranks=8, operation="dispatch BF16", median=1.0, runs=[1.0])
     path.write_text(json.dumps(dict(commit="aaaaaaa", records=[other])))
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "reference_vs_baseline.py"), "--runs", "1",
                "--iters", "2", "--ranks", "2", "--shapes", "cpu", "--limit", "1000", "--json", str(path)]
-    for commit in ("bbbbbbb", "ccccccc"):
-        proc = subprocess.run(command + ["--commit", commit], capture_output=True, text=True, timeout=300,
-                              env=_env(), cwd=ROOT)
+
+    def run(*more: str) -> List[dict]:
+        proc = subprocess.run(command + list(more), capture_output=True, text=True, timeout=300, env=_env(),
+                              cwd=ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    records = json.loads(path.read_text())["records"]
+        return json.loads(path.read_text())["records"]
+
+    run("--commit", "bbbbbbb")
+    records = run("--commit", "ccccccc", "--add-runs")   # (another commit's runs are not joined)
     assert [r for r in records if r["shape"] == "large"] == [dict(other, commit="aaaaaaa")]
     mine = [r for r in records if r["shape"] == "cpu"]
     assert {r["operation"] for r in mine} >= {"dispatch BF16", "cached dispatch BF16", "LL combine BF16"}
     assert len(mine) == len({r["operation"] for r in mine})
     assert all(r["commit"] == "ccccccc" and r["ranks"] == 2 and len(r["runs"]) == 1 and r["median"] > 0
                for r in mine)
+    joined = [r for r in run("--commit", "ccccccc", "--add-runs") if r["shape"] == "cpu"]
+    first = {r["operation"]: r for r in mine}
+    for record in joined:
+        runs = record["runs"]
+        assert len(runs) == 2 and runs[0] == first[record["operation"]]["runs"][0], record
+        assert record["median"] == round(statistics.median(runs), 3)
+        assert record["command"].count("--add-runs") == 2, record["command"]
