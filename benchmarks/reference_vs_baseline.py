@@ -108,28 +108,29 @@ def _about(args: argparse.Namespace) -> Dict[str, object]:
 _FIGURE = "reference transport time / baseline time per call (ours and the baseline taking turns)"
 
 
+def _records(path: Optional[Path]) -> List[Dict[str, object]]:
+    """The records of the file at `path` (none if there is none); records of a file written before records
+    carried their own commit get the file's."""
+    if path is None or not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    shared = {k: v for k, v in old.items() if k in ("commit", "date", "machine", "cpus", "torch", "iters", "command")}
+    return [{**shared, **record} for record in old.get("records", [])]
+
+
 def _earlier_records(path: Optional[Path], about: Dict[str, object], shape: str, ranks: int
                      ) -> Dict[str, Dict[str, object]]:
     """The records of `path` for (shape, ranks) by operation whose runs `--add-runs` joins: those of the same
     commit, machine and timed calls as this invocation's."""
-    if path is None or not path.exists():
-        return {}
     same = ("commit", "machine", "iters")
-    return {r["operation"]: r for r in json.loads(path.read_text()).get("records", [])
+    return {r["operation"]: r for r in _records(path)
             if r["shape"] == shape and r["ranks"] == ranks and all(r.get(k) == about[k] for k in same)}
 
 
 def _merge(path: Path, records: List[Dict[str, object]]) -> None:
-    """`records` into the file at `path`, replacing its records of the same (shape, ranks, operation); records
-    of a file written before records carried their own commit get the file's."""
-    kept: List[Dict[str, object]] = []
-    if path.exists():
-        old = json.loads(path.read_text())
-        shared = {k: v for k, v in old.items() if k in ("commit", "date", "machine", "cpus", "torch", "iters",
-                                                        "command")}
-        kept = [{**shared, **record} for record in old.get("records", [])]
+    """`records` into the file at `path`, replacing its records of the same (shape, ranks, operation)."""
     new_keys = {(r["shape"], r["ranks"], r["operation"]) for r in records}
-    kept = [r for r in kept if (r["shape"], r["ranks"], r["operation"]) not in new_keys] + records
+    kept = [r for r in _records(path) if (r["shape"], r["ranks"], r["operation"]) not in new_keys] + records
     kept.sort(key=lambda r: (str(r["shape"]), int(r["ranks"])))
     path.write_text(json.dumps(dict(figure=_FIGURE, records=kept), indent=1) + "\n")
 
