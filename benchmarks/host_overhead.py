@@ -1,7 +1,7 @@
 """Host cost of eager deep_ep calls: how long the host takes to enqueue one call while the GPU is still busy
 with earlier work (so the host never waits for it), per operation and call flags; and, for a non-cached
-dispatch (whose host waits for the received counts), the GPU's idle gap between the end of the copy that
-brings the counts to the host and the start of the first dispatch kernel, read from a profiler trace.
+dispatch (whose host waits for the received counts), the GPU's idle gap between the end of the copy or kernel
+that brings the counts to the host and the start of the dispatch kernel, read from a profiler trace.
 
   python benchmarks/host_overhead.py [--ranks 1 2 4] [--calls 200] [--transport nvlink] [--against TREE]
                                      [--json FILE] [--breakdown] [--profile]
@@ -223,8 +223,9 @@ def _time_op(op: _Op, flag: str, calls: int) -> Dict[str, Any]:
 
 
 def _idle_gap(buffer: Any, x: torch.Tensor, layout: Dict[str, Any], rank: int) -> Optional[float]:
-    """Median GPU idle time between the end of the device-to-host copy of a non-cached dispatch's counts and
-    the start of the dispatch kernel after it, over GAP_CALLS calls (rank 0's trace)."""
+    """Median GPU idle time before the dispatch kernel of a non-cached dispatch, over GAP_CALLS calls (rank 0's
+    trace): from the end of the GPU work before it, which brings the counts to the host (a device-to-host copy,
+    or a kernel writing them into pinned memory), to its start."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     dist.barrier()
@@ -239,16 +240,12 @@ def _idle_gap(buffer: Any, x: torch.Tensor, layout: Dict[str, Any], rank: int) -
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     os.unlink(path)
-    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")),
+    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                  key=lambda e: e["ts"])
     gaps = []
     for i, event in enumerate(gpu):
-        if event["cat"] == "gpu_memcpy" and "DtoH" in event["name"].replace("Device -> Pageable", "DtoH") \
-                .replace("Device -> Pinned", "DtoH"):
-            end = event["ts"] + event["dur"]
-            later = [e for e in gpu[i + 1:] if e["cat"] == "kernel" and "dispatch" in e["name"]]
-            if later:
-                gaps.append(later[0]["ts"] - end)
+        if i and event["cat"] == "kernel" and "dispatch" in event["name"] and "notify" not in event["name"]:
+            gaps.append(event["ts"] - max(e["ts"] + e["dur"] for e in gpu[:i]))
     return statistics.median(gaps) if gaps else None
 
 

@@ -2,8 +2,8 @@
 
   get_dispatch_layout: one local kernel, no host wait (layout.py);
   non-cached dispatch: prepare and notify kernels (counts to every rank; plan.py, notify.py) -> the plan
-    kernel -> counts to the host (the API's receive-count wait; skipped with num_worst_tokens) -> the
-    dispatch kernel;
+    kernel -> counts into the host's mailbox (mailbox.py; the API's receive-count wait, skipped with
+    num_worst_tokens) -> the dispatch kernel;
   cached dispatch, combine: the dispatch or combine kernel alone, with the routing kept from the handle.
 
 Note [protocols]: where the largest share any rank receives (dispatch) or sent in the dispatch (combine) fits
@@ -31,8 +31,9 @@ from ..base import DispatchOutput
 from ..kept import Keeper
 from ..reference import dispatch_fields
 from . import settings
-from .header import CMAX, Header
+from .header import CMAX, MAX_EXPERTS_PER_RANK, Header
 from .launcher import Pointer, Relaunch, current_raw_stream, next_pow2
+from .mailbox import CountsMailbox, payload_words
 from .status import StatusWords
 
 BATCH = 64              # tokens (rows per ring) per flow-control step
@@ -58,7 +59,7 @@ _PREPARE_VARY = ("in_rank_ptr", "per_rank_ptr", "idx_ptr", "before_ptr", "send_h
                  "num_tokens", "num_ids")
 _NOTIFY_VARY = ("colsum_ptr", "per_expert_ptr", "channel_counts_ptr", "signature", "received_ptr")
 _PLAN_VARY = ("received_ptr", "channel_counts_ptr", "prefix_ptr", "recv_count_ptr", "recv_base_ptr", "rank_prefix_ptr",
-              "channel_prefix_ptr", "recv_channel_prefix_ptr", "push_row0_ptr", "combine_row0_ptr", "payload_ptr",
+              "channel_prefix_ptr", "recv_channel_prefix_ptr", "push_row0_ptr", "combine_row0_ptr", "ticket",
               "expert_alignment")
 
 
@@ -138,6 +139,7 @@ class NVLinkNormal:
         scratch = torch.zeros(4 + R, dtype=torch.int64, device=device)   # value checks of a dispatch
         self.checks, self.mismatch = scratch[:4], scratch[4:]
         self._no_ids = torch.zeros(1, dtype=torch.int64, device=device)   # topk_idx of a dispatch without one
+        self.counts = CountsMailbox(group, status, payload_words(R, MAX_EXPERTS_PER_RANK))
         self._signatures: Dict[tuple, int] = {}   # _call_signature's results
         self._channels: Optional[int] = None
         self._plans = Keeper()   # (a handle's plan, the raw streams it was made or used on), kept with recv_src_idx
@@ -292,13 +294,13 @@ class NVLinkNormal:
         recv_channel_prefix = tables[tables_at.recv_channel_prefix:tables_at.channel_prefix].view(R, C)
         channel_prefix = tables[tables_at.channel_prefix:tables_at.rank_prefix_matrix].view(R, C)
         rank_prefix_matrix = tables[tables_at.rank_prefix_matrix:].view(R, R)
-        payload = torch.empty(1 + experts_per_rank + 2 * R + 6, dtype=torch.int64, device=dev)
+        ticket = 0 if num_worst_tokens else self.counts.next_ticket()
         fill_plan(received, channel_counts, prefix, recv_count, recv_base, rank_prefix_matrix, channel_prefix,
-                  recv_channel_prefix, push_row0, combine_row0, payload, expert_alignment)
+                  recv_channel_prefix, push_row0, combine_row0, ticket, expert_alignment)
         if num_worst_tokens:
             num_rows, aligned_list, most = num_worst_tokens, [], (None, None)
         else:
-            num_rows, aligned_list, most = self._wait_counts(payload, signature, call)
+            num_rows, aligned_list, most = self._wait_counts(ticket, experts_per_rank, signature, call)
         plan = Plan(before, recv_count, recv_base, prefix, push_row0, combine_row0, C, *most)
         out = self._run_dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank, plan, num_rows,
                                  rank * experts_per_rank, experts_per_rank, geometry)
@@ -336,19 +338,18 @@ class NVLinkNormal:
                           rank=rank, timeout_ns=self.timeout_ns, experts_per_rank=experts_per_rank, C=C, R=R,
                           REC=record_len, STRIDE=self.header.record_max, BLOCK=next_pow2(record_len),
                           BLOCK_R=next_pow2(R), num_warps=4)
-        plan = Relaunch(plan_kernel, (1,), _PLAN_VARY, checks_ptr=self.checks, rank=rank,
-                        experts_per_rank=experts_per_rank, REC=record_len, R=R, C=C, BLOCK_R=next_pow2(R),
+        plan = Relaunch(plan_kernel, (1,), _PLAN_VARY, checks_ptr=self.checks, mailbox_ptr=self.counts.tensor,
+                        rank=rank, experts_per_rank=experts_per_rank, REC=record_len, R=R, C=C, BLOCK_R=next_pow2(R),
                         BLOCK_C=next_pow2(C), BLOCK_E=next_pow2(experts_per_rank), num_warps=4)
         return prepare, notify, plan, PlanTables.for_shape(R, C)
 
-    def _wait_counts(self, payload, signature: int, call: Dict[str, int]):
-        """The API's host wait for the received counts; with it, every rank learns whether all ranks called
-        with the same shapes and valid values, and if not, all of them raise before any row moves."""
-        host = payload.cpu().tolist()
-        self.status.raise_timeout()
+    def _wait_counts(self, ticket: int, E_loc: int, signature: int, call: Dict[str, int]):
+        """The API's host wait for the received counts (mailbox.py); with it, every rank learns whether all ranks
+        called with the same shapes and valid values, and if not, all of them raise before any row moves."""
         R, rank = self.topology.num_ranks, self.topology.rank
+        host = self.counts.wait(ticket, payload_words(R, E_loc), self.timeout_ns / 1e9)
+        self.status.raise_timeout()
         num_experts = call["num_experts"]
-        E_loc = len(host) - 1 - 2 * R - 6
         num_recv, aligned = host[0], host[1:1 + E_loc]
         signatures, flags = host[1 + E_loc:1 + E_loc + R], host[1 + E_loc + R:1 + E_loc + 2 * R]
         _own_flags, low, high, layout_value, max_recv_rows, max_send_rows = host[1 + E_loc + 2 * R:]

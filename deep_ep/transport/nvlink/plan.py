@@ -10,10 +10,12 @@ prepare_kernel (R + 1 programs), before the notify:
     offending layout id), and advances the notify epoch.
 plan_kernel (1 program), after the notify: from the received records, where every received row goes
   (prefix, recv_count, recv_base), where this rank's rows go in the direct protocol, the handle's matrices,
-  and the host payload.
+  and, where the host waits (ticket > 0), the payload and then the ticket in the host's mailbox (mailbox.py).
 """
 import triton
 import triton.language as tl
+
+from .intrinsics import fence_sys
 
 
 @triton.jit
@@ -64,10 +66,10 @@ def prepare_kernel(in_rank_ptr, per_rank_ptr, idx_ptr, layout_bad_ptr, before_pt
         tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ticket"])   # (one compiled kernel for every ticket)
 def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, recv_base_ptr, rank_prefix_ptr,
-                channel_prefix_ptr, recv_channel_prefix_ptr, push_row0_ptr, combine_row0_ptr, payload_ptr, checks_ptr,
-                rank, experts_per_rank, expert_alignment, REC: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
+                channel_prefix_ptr, recv_channel_prefix_ptr, push_row0_ptr, combine_row0_ptr, mailbox_ptr, checks_ptr,
+                ticket, rank, experts_per_rank, expert_alignment, REC: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
     """Record of source s (received[s]): [signature | flags | tokens per destination (R) | its tokens per
     expert of this rank (E_loc) | its tokens for this rank per channel (C)]."""
@@ -99,8 +101,18 @@ def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, re
     # this rank's channel_prefix_matrix [destination, channel], inclusive
     own = tl.load(channel_counts_ptr + rs[:, None] * C + qs[None, :], mask=cmask, other=0)
     tl.store(channel_prefix_ptr + rs[:, None] * C + qs[None, :], tl.cumsum(own, axis=1), mask=cmask)
-    # host payload (int64): [rows received | per local expert, aligned | signatures (R) | flags (R) | checks (4) |
-    # most rows any rank receives | most rows any rank sends]
+    if ticket > 0:
+        _post_counts(mailbox_ptr, ticket, received_ptr, checks_ptr, sent, mine, rs, es, rmask, experts_per_rank,
+                     expert_alignment, REC, R)
+
+
+@triton.jit
+def _post_counts(mailbox_ptr, ticket, received_ptr, checks_ptr, sent, mine, rs, es, rmask, experts_per_rank,
+                 expert_alignment, REC: tl.constexpr, R: tl.constexpr):
+    """The host payload (int64, mailbox.payload_words): [rows received | per local expert, aligned |
+    signatures (R) | flags (R) | checks (4) | most rows any rank receives | most rows any rank sends] after the
+    mailbox's ticket word, then the ticket, released to the host."""
+    payload_ptr = mailbox_ptr + 1
     emask = es < experts_per_rank
     per_expert = tl.sum(tl.load(received_ptr + rs[:, None] * REC + 2 + R + es[None, :],
                                 mask=rmask[:, None] & emask[None, :],
@@ -117,3 +129,6 @@ def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, re
     tl.store(tail + 2 * R + four, tl.load(checks_ptr + four))
     tl.store(tail + 2 * R + 4, tl.max(tl.sum(sent, axis=0), axis=0).to(tl.int64))
     tl.store(tail + 2 * R + 5, tl.max(tl.sum(sent, axis=1), axis=0).to(tl.int64))
+    tl.debug_barrier()   # every thread's payload writes, then (one thread's) fence and ticket
+    fence_sys()
+    tl.atomic_xchg(mailbox_ptr, ticket, sem="release", scope="sys")
