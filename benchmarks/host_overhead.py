@@ -4,7 +4,7 @@ dispatch (whose host waits for the received counts), the GPU's idle gap between 
 that brings the counts to the host and the start of the dispatch kernel, read from a profiler trace.
 
   python benchmarks/host_overhead.py [--ranks 1 2 4] [--calls 200] [--transport nvlink] [--against TREE]
-                                     [--json FILE] [--breakdown] [--profile]
+                                     [--json FILE] [--breakdown] [--profile] [--operations NAME ...]
 
 Shapes: normal mode at the DeepSeek training shape (4096 tokens, hidden 7168, top-8, 256 experts),
 low-latency mode at the decode shape (128 tokens, hidden 7168, top-8, 288 experts). Ranks share the GPUs
@@ -48,11 +48,12 @@ T, H, K, E = 4096, 7168, 8, 256          # normal mode
 N, E_LL = 128, 288                       # low-latency mode
 INPUT_SETS, BUFFERS, BATCH = 5, 3, 50
 GAP_CALLS = 30
+IDLE_GAP = "non-cached dispatch: GPU idle after the counts"   # (the row read from a profiler trace)
 # the issue's limits, us per call (None: no limit for that row)
 LIMITS = {"get_dispatch_layout": 25, "cached dispatch BF16": 30, "cached dispatch FP8": 30, "combine": 30,
           "dispatch num_worst_tokens": 40, "low_latency_dispatch FP8": 25, "low_latency_dispatch BF16": 25,
           "low_latency_combine": 25, "receive hook (dispatch)": None, "receive hook (combine)": None,
-          "non-cached dispatch: GPU idle after the counts": 40}
+          IDLE_GAP: 40}
 # (owner, attributes) of the layers --breakdown times: each call's time includes the layers below it
 LAYERS = (("deep_ep.buffer:Buffer", ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch",
                                      "low_latency_combine")),
@@ -320,6 +321,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, tree: Optional[str],
             ll_outs, LL_FLAGS, lambda result: [result[0]], "combine")]
     records = []
     for op in ops:
+        if args.operations and op.name not in args.operations:
+            continue
         for flag in op.flags:
             measured = _time_op(op, flag, args.calls)
             ok = torch.tensor([int(measured["checked"])], device=device)
@@ -338,9 +341,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, tree: Optional[str],
                 torch.cuda.synchronize()
             if args.profile and flag == "sync" and op.name in PROFILED:
                 records[-1]["profile"] = _profile(op, rank)
-    gap = _idle_gap(buffer, xs[0], layout, rank)
-    records.append(dict(operation="non-cached dispatch: GPU idle after the counts", flags="sync", host_us=gap,
-                        checked=True))
+    if not args.operations or IDLE_GAP in args.operations:
+        records.append(dict(operation=IDLE_GAP, flags="sync", host_us=_idle_gap(buffer, xs[0], layout, rank),
+                            checked=True))
     torch.cuda.synchronize()
     dist.barrier()
     buffer.destroy()
@@ -399,6 +402,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--breakdown", action="store_true", help="also time the layers of each call (rank 0's)")
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of rank 0")
+    parser.add_argument("--operations", nargs="+", choices=[name for name in LIMITS if not name.startswith("receive")],
+                        metavar="NAME", help="time only these rows (names as in the table; default: all)")
     args = parser.parse_args()
     versions = _versions()
     print(" ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
