@@ -26,7 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from deep_ep.transport.nvlink.launcher import next_pow2  # noqa: E402
 from deep_ep.transport.nvlink.normal import (COMBINE_TILE, DISPATCH_TILE, NUM_WARPS, combine_slot,  # noqa: E402
                                              rows_per_step)
-from deep_ep.transport.nvlink import combine, direct, dispatch, ll_combine, ll_dispatch, notify  # noqa: E402
+from deep_ep.transport.nvlink import combine, direct, dispatch, ll_combine, ll_dispatch, notify, plan  # noqa: E402
 from deep_ep.transport.nvlink import low_latency as ll  # noqa: E402
 from deep_ep.transport.nvlink import sync  # noqa: E402
 
@@ -354,3 +354,19 @@ def test_acquires_and_releases_reach_other_gpus(case):
     ticket = case.startswith(("dispatch ", "combine "))   # (the normal-mode kernels end with is_last_program)
     assert ordered and len(narrow) == int(ticket), ordered
     assert all(op.startswith("atom.global.gpu.acq_rel.add") for op in narrow), ordered
+
+
+def test_plan_kernel_stores_the_counts_before_it_releases_the_ticket():
+    """The host reads a dispatch's counts from its mailbox once the ticket is there (mailbox.py): every store
+    of the payload comes before a CTA barrier that precedes the ticket's one system-scope release, and nothing
+    is stored after it."""
+    lines = _ptx(plan.plan_kernel, 4, dict(REC=2 + R + 8 + 4, R=R, C=4, BLOCK_R=R, BLOCK_C=4, BLOCK_E=8),
+                 pointers=dict(received_ptr="*i32", mailbox_ptr="*i64", checks_ptr="*i64")).splitlines()
+    releases = [i for i, line in enumerate(lines) if re.search(r"\batom\.", line) and "exch" in line]
+    assert len(releases) == 1, releases
+    release = lines[releases[0]].split()
+    assert any(op.startswith("atom.") and {"release", "sys"} <= set(op.split(".")) for op in release), release
+    before, after = lines[:releases[0]], lines[releases[0] + 1:]
+    last_store = max(i for i, line in enumerate(before) if re.search(r"\bst\.global", line))
+    assert any("bar.sync" in line for line in before[last_store + 1:]), "no barrier between the payload and the ticket"
+    assert not [line for line in after if re.search(r"\b(st|atom|red)\.global", line)]

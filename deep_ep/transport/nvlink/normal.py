@@ -33,7 +33,7 @@ from ..reference import dispatch_fields
 from . import settings
 from .header import CMAX, MAX_EXPERTS_PER_RANK, Header
 from .launcher import Pointer, Relaunch, current_raw_stream, next_pow2
-from .mailbox import CountsMailbox, payload_words
+from .mailbox import Counts, CountsMailbox
 from .status import StatusWords
 
 BATCH = 64              # tokens (rows per ring) per flow-control step
@@ -139,7 +139,7 @@ class NVLinkNormal:
         scratch = torch.zeros(4 + R, dtype=torch.int64, device=device)   # value checks of a dispatch
         self.checks, self.mismatch = scratch[:4], scratch[4:]
         self._no_ids = torch.zeros(1, dtype=torch.int64, device=device)   # topk_idx of a dispatch without one
-        self.counts = CountsMailbox(group, status, payload_words(R, MAX_EXPERTS_PER_RANK))
+        self.counts = CountsMailbox(status, Counts.words(R, MAX_EXPERTS_PER_RANK))
         self._signatures: Dict[tuple, int] = {}   # _call_signature's results
         self._channels: Optional[int] = None
         self._plans = Keeper()   # (a handle's plan, the raw streams it was made or used on), kept with recv_src_idx
@@ -343,17 +343,14 @@ class NVLinkNormal:
                         BLOCK_C=next_pow2(C), BLOCK_E=next_pow2(experts_per_rank), num_warps=4)
         return prepare, notify, plan, PlanTables.for_shape(R, C)
 
-    def _wait_counts(self, ticket: int, E_loc: int, signature: int, call: Dict[str, int]):
+    def _wait_counts(self, ticket: int, experts_per_rank: int, signature: int, call: Dict[str, int]):
         """The API's host wait for the received counts (mailbox.py); with it, every rank learns whether all ranks
         called with the same shapes and valid values, and if not, all of them raise before any row moves."""
         R, rank = self.topology.num_ranks, self.topology.rank
-        host = self.counts.wait(ticket, payload_words(R, E_loc), self.timeout_ns / 1e9)
+        counts = self.counts.wait(ticket, R, experts_per_rank, self.timeout_ns / 1e9)
         self.status.raise_timeout()
-        num_experts = call["num_experts"]
-        num_recv, aligned = host[0], host[1:1 + E_loc]
-        signatures, flags = host[1 + E_loc:1 + E_loc + R], host[1 + E_loc + R:1 + E_loc + 2 * R]
-        _own_flags, low, high, layout_value, max_recv_rows, max_send_rows = host[1 + E_loc + 2 * R:]
-        others = [r for r, s in enumerate(signatures) if s != signature]
+        num_experts, flags = call["num_experts"], counts.flags
+        others = [r for r, s in enumerate(counts.signatures) if s != signature]
         if others:
             # every rank sees a difference; when all of them wait here they compare the calls to name it
             if not any(f & 8 for f in flags):
@@ -368,10 +365,11 @@ class NVLinkNormal:
         if flags[rank] & 1:
             self.layout_bad.zero_()
             raise ValueError(f"topk_idx of get_dispatch_layout: entries must be -1 or in [0, {num_experts}), found "
-                             f"{layout_value} (the NVLink transport checks expert ids on the GPU and reports them "
-                             "at the next dispatch)")
+                             f"{counts.layout_value} (the NVLink transport checks expert ids on the GPU and reports "
+                             "them at the next dispatch)")
         if flags[rank] & 2:
-            raise ValueError(f"topk_idx entries must be -1 or in [0, {num_experts}), found {low if low < -1 else high}")
+            raise ValueError(f"topk_idx entries must be -1 or in [0, {num_experts}), found "
+                             f"{counts.low if counts.low < -1 else counts.high}")
         if flags[rank] & 4:
             raise ValueError("num_tokens_per_rank must equal the column sums of is_token_in_rank "
                              "(pass the outputs of one get_dispatch_layout call)")
@@ -380,8 +378,8 @@ class NVLinkNormal:
             raise ValueError(f"dispatch: rank(s) {failed} passed invalid inputs (see the errors there); no rank "
                              "sent anything")
         if any(f & 8 for f in flags):   # a rank that does not wait cannot know the shares: all use the rings
-            return num_recv, aligned, (None, None)
-        return num_recv, aligned, (max_recv_rows, max_send_rows)
+            return counts.num_recv, counts.aligned, (None, None)
+        return counts.num_recv, counts.aligned, (counts.max_recv_rows, counts.max_send_rows)
 
     def cached_dispatch(self, x, x_scales, handle, num_channels):
         _, _, _, recv_src_idx, is_token_in_rank, _ = handle

@@ -15,8 +15,6 @@ plan_kernel (1 program), after the notify: from the received records, where ever
 import triton
 import triton.language as tl
 
-from .intrinsics import fence_sys
-
 
 @triton.jit
 def prepare_kernel(in_rank_ptr, per_rank_ptr, idx_ptr, layout_bad_ptr, before_ptr, send_head_ptr,
@@ -109,9 +107,8 @@ def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, re
 @triton.jit
 def _post_counts(mailbox_ptr, ticket, received_ptr, checks_ptr, sent, mine, rs, es, rmask, experts_per_rank,
                  expert_alignment, REC: tl.constexpr, R: tl.constexpr):
-    """The host payload (int64, mailbox.payload_words): [rows received | per local expert, aligned |
-    signatures (R) | flags (R) | checks (4) | most rows any rank receives | most rows any rank sends] after the
-    mailbox's ticket word, then the ticket, released to the host."""
+    """The host payload (int64; its layout is mailbox.Counts') after the mailbox's ticket word, then the
+    ticket, released to the host."""
     payload_ptr = mailbox_ptr + 1
     emask = es < experts_per_rank
     per_expert = tl.sum(tl.load(received_ptr + rs[:, None] * REC + 2 + R + es[None, :],
@@ -129,6 +126,5 @@ def _post_counts(mailbox_ptr, ticket, received_ptr, checks_ptr, sent, mine, rs, 
     tl.store(tail + 2 * R + four, tl.load(checks_ptr + four))
     tl.store(tail + 2 * R + 4, tl.max(tl.sum(sent, axis=0), axis=0).to(tl.int64))
     tl.store(tail + 2 * R + 5, tl.max(tl.sum(sent, axis=1), axis=0).to(tl.int64))
-    tl.debug_barrier()   # every thread's payload writes, then (one thread's) fence and ticket
-    fence_sys()
+    tl.debug_barrier()   # every thread's payload stores before the ticket's release (system scope: the host)
     tl.atomic_xchg(mailbox_ptr, ticket, sem="release", scope="sys")
