@@ -2,7 +2,7 @@
 test_nvlink_interpreted.py with TRITON_INTERPRET=1 set), against the reference transport, bit for bit: one
 rank whose buffer is CPU memory mapped to itself (so every row stays local; the interpreter runs one program
 after another, so ranks that wait for each other cannot run here). The layout, a non-cached dispatch (its
-prepare, notify and plan kernels, the count wait, the handle), a cached dispatch and a combine, BF16 and FP8,
+prepare and notify kernels, the plan, the count wait, the handle), a cached dispatch and a combine, BF16 and FP8,
 with the direct protocol and with the rings. Prints "ok", or the mismatches."""
 import sys
 from types import SimpleNamespace

@@ -26,7 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from deep_ep.transport.nvlink.launcher import next_pow2  # noqa: E402
 from deep_ep.transport.nvlink.normal import (COMBINE_TILE, DISPATCH_TILE, NUM_WARPS, combine_slot,  # noqa: E402
                                              rows_per_step)
-from deep_ep.transport.nvlink import combine, direct, dispatch, ll_combine, ll_dispatch, notify, plan  # noqa: E402
+from deep_ep.transport.nvlink import combine, direct, dispatch, ll_combine, ll_dispatch, notify  # noqa: E402
 from deep_ep.transport.nvlink import low_latency as ll  # noqa: E402
 from deep_ep.transport.nvlink import sync  # noqa: E402
 
@@ -38,6 +38,7 @@ POINTERS = {"x_ptr": "*bf16", "rows_ptr": "*bf16", "out_ptr": "*bf16", "bias0_pt
             "idx_ptr": "*i64", "out_idx_ptr": "*i64", "weights_ptr": "*fp32", "out_weights_ptr": "*fp32",
             "in_rank_ptr": "*i8", "bases_ptr": "*i64", "arrived_ptr": "*i64", "received_ptr": "*i64",
             "stats_ptr": "*i64", "layout_ptr": "*i64"}   # others: *i32
+NOTIFY_SHAPES = dict(REC=64, STRIDE=64, BLOCK=64, C=4, BLOCK_C=4, BLOCK_E=8)   # (and R, BLOCK_R)
 
 
 def _ptx(kernel, num_warps: int, constexprs: Dict[str, object], divisible: Iterable[str] = (),
@@ -296,7 +297,7 @@ def _uniformity_cases():
         "dispatch direct": (direct.direct_dispatch_kernel, dict(rows, AMAX=8)),
         "combine rings": (combine.combine_kernel, dict(combine_rows, C=4, CMAX=8)),
         "combine direct": (direct.direct_combine_kernel, dict(combine_rows, C=4, AMAX=8, REDUCE_ROWS=2)),
-        "notify": (notify.notify_kernel, dict(R=r, REC=64, STRIDE=64, BLOCK=64, BLOCK_R=r)),
+        "notify": (notify.notify_kernel, dict(NOTIFY_SHAPES, R=r, BLOCK_R=r)),
     }
 
 
@@ -351,22 +352,25 @@ def test_acquires_and_releases_reach_other_gpus(case):
     kernel, constexprs = _uniformity_cases()[case]
     ordered = [match.group(0) for match in ORDERED.finditer(_ptx(kernel, 4, constexprs))]
     narrow = [op for op in ordered if "sys" not in op.split(".")]
-    ticket = case.startswith(("dispatch ", "combine "))   # (the normal-mode kernels end with is_last_program)
+    # (the normal-mode kernels and the notify end with is_last_program)
+    ticket = case.startswith(("dispatch ", "combine ", "notify"))
     assert ordered and len(narrow) == int(ticket), ordered
     assert all(op.startswith("atom.global.gpu.acq_rel.add") for op in narrow), ordered
 
 
-def test_plan_kernel_stores_the_counts_before_it_releases_the_ticket():
+def test_notify_kernel_stores_the_counts_before_it_releases_the_ticket():
     """The host reads a dispatch's counts from its mailbox once the ticket is there (mailbox.py): every store
-    of the payload comes before a CTA barrier that precedes the ticket's one system-scope release, and nothing
-    is stored after it."""
-    lines = _ptx(plan.plan_kernel, 4, dict(REC=2 + R + 8 + 4, R=R, C=4, BLOCK_R=R, BLOCK_C=4, BLOCK_E=8),
-                 pointers=dict(received_ptr="*i32", mailbox_ptr="*i64", checks_ptr="*i64")).splitlines()
-    releases = [i for i, line in enumerate(lines) if re.search(r"\batom\.", line) and "exch" in line]
-    assert len(releases) == 1, releases
-    release = lines[releases[0]].split()
+    of the payload comes before a CTA barrier that precedes the ticket's system-scope release (the last
+    exchange of the kernel: the one before it raises a peer's notify flag), and nothing is stored after it."""
+    lines = _ptx(notify.notify_kernel, 4, dict(NOTIFY_SHAPES, R=R, BLOCK_R=R),
+                 pointers=dict(received_ptr="*i32", mailbox_ptr="*i64", checks_ptr="*i64",
+                               mismatch_ptr="*i64", epoch_ptr="*i64")).splitlines()
+    releases = [i for i, line in enumerate(lines) if re.search(r"\batom\.", line) and "exch" in line
+                and "release" in line]
+    assert len(releases) == 2, releases
+    release = lines[releases[-1]].split()
     assert any(op.startswith("atom.") and {"release", "sys"} <= set(op.split(".")) for op in release), release
-    before, after = lines[:releases[0]], lines[releases[0] + 1:]
+    before, after = lines[:releases[-1]], lines[releases[-1] + 1:]
     last_store = max(i for i, line in enumerate(before) if re.search(r"\bst\.global", line))
     assert any("bar.sync" in line for line in before[last_store + 1:]), "no barrier between the payload and the ticket"
     assert not [line for line in after if re.search(r"\b(st|atom|red)\.global", line)]

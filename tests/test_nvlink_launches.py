@@ -48,9 +48,11 @@ def test_normal_combine_layout_and_notify_launches_bind(direct, biases):
     normal = _normal_mode()
     assert isinstance(normal._combine_launch(direct, 7168, 8, *biases, 12), launcher.Relaunch)
     assert isinstance(normal._layout_launch(8, 64), launcher.Relaunch)
-    prepare, notify, plan, tables = normal._notify_launches(12, 64, no_wait=False)
-    assert all(isinstance(launch, launcher.Relaunch) for launch in (prepare, notify, plan))
-    assert tables.size == tables.rank_prefix_matrix + R * R
+    prepare, notify, tables = normal._notify_launches(12, 64, no_wait=False)
+    assert all(isinstance(launch, launcher.Relaunch) for launch in (prepare, notify))
+    record_len = 2 + R + 64 // R + 12
+    assert tables.channel_counts == tables.rank_prefix_matrix + R * R
+    assert tables.size == tables.received + R * record_len == tables.channel_counts + R * 12 + R * record_len
 
 
 @pytest.mark.parametrize("use_fp8", [False, True])

@@ -25,7 +25,7 @@ def _mailbox(rank: int = 1):
 
 
 def _post(mailbox: CountsMailbox, ticket: int, payload) -> None:
-    """What the plan kernel does: the payload, then the ticket."""
+    """What the notify kernel's last program does: the payload, then the ticket."""
     mailbox.tensor[1:1 + len(payload)] = torch.tensor(payload, dtype=torch.int64)
     mailbox.tensor[0] = ticket
 
@@ -39,7 +39,7 @@ def _payload():
     return words, expected
 
 
-def test_counts_words_and_fields_follow_the_plan_kernels_layout():
+def test_counts_words_and_fields_follow_the_kernels_layout():
     assert Counts.words(num_ranks=4, experts_per_rank=8) == 1 + 8 + 2 * 4 + 6
     words = list(range(100, 100 + Counts.words(R, E_LOC)))
     counts = Counts.decode(words, R, E_LOC)

@@ -2,10 +2,10 @@
 
 Protocol (one mailbox per NVLink transport, pinned int64 words: [ticket | payload (Counts)]):
   the host numbers every dispatch that waits for its counts (tickets 1, 2, ...) and passes the number to the
-  plan kernel (plan.py); the kernel writes the payload into the mailbox, then (after a CTA barrier) stores the
-  ticket with a system-scope release. The host spins on the ticket word and reads the payload once it holds
+  notify kernel (notify.py), whose last program computes the plan (plan.plan_tables), writes the payload into
+  the mailbox, then (after a CTA barrier) stores the ticket with a system-scope release. The host spins on the ticket word and reads the payload once it holds
   this call's number. A dispatch that does not wait (num_worst_tokens: the only non-cached dispatch a CUDA
-  graph may capture) passes ticket 0 and its kernel writes nothing here.
+  graph may capture) passes ticket 0 and the kernel writes nothing here.
 The host reads the ticket, then the payload, in two separate reads from Python: x86 keeps loads in order; an
 Arm host may reorder loads only within a window far shorter than the interpreter's work between the two.
 Only one dispatch waits at a time (the host reads its payload before it queues anything else), so one mailbox
@@ -27,7 +27,7 @@ _ABANDONED: List[torch.Tensor] = []   # mailboxes given up on: kernels still que
 
 
 class Counts(NamedTuple):
-    """A dispatch's payload, as the plan kernel writes it (int64 words in this order)."""
+    """A dispatch's payload, as plan.plan_tables writes it (int64 words in this order)."""
     num_recv: int           # rows this rank receives
     aligned: List[int]      # per local expert, rounded up to expert_alignment
     signatures: List[int]   # per rank: its call's signature
@@ -67,7 +67,7 @@ class CountsMailbox:
         return self._last_ticket
 
     def wait(self, ticket: int, num_ranks: int, experts_per_rank: int, timeout_s: float) -> Counts:
-        """The counts of dispatch `ticket`, once its plan kernel wrote them. A kernel wait that gave up meanwhile
+        """The counts of dispatch `ticket`, once its notify kernel wrote them. A kernel wait that gave up meanwhile
         raises its CommTimeoutError; a ticket that does not come within twice `timeout_s` raises one naming
         this rank and the counts (the GPU did not reach the dispatch: earlier work on its stream still runs;
         twice, so that the notify kernel's own wait, bounded by `timeout_s` from when the GPU reaches it,
@@ -90,6 +90,6 @@ class CountsMailbox:
                 self.status.group.mark_broken("the wait for a dispatch's counts")
                 raise CommTimeoutError(
                     f"rank {self.status.rank}: waited more than {2 * timeout_s:g} s for the received counts of a "
-                    "dispatch (its plan kernel had not run: earlier work queued on its stream did not finish); "
+                    "dispatch (its notify kernel had not finished: earlier work queued on its stream did not finish); "
                     "this Buffer cannot be used any more")
             time.sleep(0)   # (lets other Python threads run: the spin holds the GIL)

@@ -57,10 +57,9 @@ _DIRECT_COMBINE_VARY = _COMBINE_INPUTS + ("combine_row0_ptr",) + _COMBINE_OUTPUT
 _LAYOUT_VARY = ("idx_ptr", "per_rank_ptr", "per_expert_ptr", "in_rank_ptr", "num_tokens")
 _PREPARE_VARY = ("in_rank_ptr", "per_rank_ptr", "idx_ptr", "before_ptr", "send_head_ptr", "channel_counts_ptr",
                  "num_tokens", "num_ids")
-_NOTIFY_VARY = ("colsum_ptr", "per_expert_ptr", "channel_counts_ptr", "signature", "received_ptr")
-_PLAN_VARY = ("received_ptr", "channel_counts_ptr", "prefix_ptr", "recv_count_ptr", "recv_base_ptr", "rank_prefix_ptr",
-              "channel_prefix_ptr", "recv_channel_prefix_ptr", "push_row0_ptr", "combine_row0_ptr", "ticket",
-              "expert_alignment")
+_NOTIFY_VARY = ("colsum_ptr", "per_expert_ptr", "channel_counts_ptr", "signature", "received_ptr", "prefix_ptr",
+                "recv_count_ptr", "recv_base_ptr", "rank_prefix_ptr", "channel_prefix_ptr", "recv_channel_prefix_ptr",
+                "push_row0_ptr", "combine_row0_ptr", "counts_ticket", "expert_alignment")
 
 
 class DispatchGeometry(NamedTuple):
@@ -91,8 +90,8 @@ class Plan(NamedTuple):
 
 
 class PlanTables(NamedTuple):
-    """int32 offsets of a non-cached dispatch's tables in their one allocation, and its size. The last three are
-    the handle's tensors."""
+    """int32 offsets of a non-cached dispatch's tables in their one allocation, and its size: the plan's, the
+    handle's three matrices, then the prepare kernel's counts per channel and the notify's received records."""
     prefix: int                  # [R + 1]
     recv_count: int              # [R, C]
     recv_base: int               # [R, C]
@@ -101,13 +100,15 @@ class PlanTables(NamedTuple):
     recv_channel_prefix: int     # [R, C]
     channel_prefix: int          # [R, C]
     rank_prefix_matrix: int      # [R, R]
+    channel_counts: int          # [R, C]
+    received: int                # [R, record_len]
     size: int
 
     @classmethod
-    def for_shape(cls, num_ranks: int, num_channels: int) -> "PlanTables":
+    def for_shape(cls, num_ranks: int, num_channels: int, record_len: int) -> "PlanTables":
         R, C = num_ranks, num_channels
         offsets, cursor = [], 0
-        for size in (R + 1, R * C, R * C, R, R, R * C, R * C, R * R):
+        for size in (R + 1, R * C, R * C, R, R, R * C, R * C, R * R, R * C, R * record_len):
             offsets.append(cursor)
             cursor += size
         return cls(*offsets, size=cursor)
@@ -273,19 +274,16 @@ class NVLinkNormal:
         call = dispatch_fields(x, x_scales, topk_idx, C, num_experts=num_experts,
                                has_weights=int(topk_weights is not None))
         signature = self._call_signature(call)
-        prepare, notify, fill_plan, tables_at = self._launch(
+        prepare, notify, tables_at = self._launch(
             ("notify", C, num_experts, bool(num_worst_tokens)),
             lambda: self._notify_launches(C, num_experts, bool(num_worst_tokens)))
         before = torch.empty((num_tokens + 1, R), dtype=torch.int32, device=dev)
         send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=dev)
-        channel_counts = torch.empty((R, C), dtype=torch.int32, device=dev)
+        tables = torch.empty(tables_at.size, dtype=torch.int32, device=dev)
+        channel_counts = Pointer(tables, torch.int32, 4 * tables_at.channel_counts)
         prepare(Pointer(is_token_in_rank, torch.int8), num_tokens_per_rank,
                 self._no_ids if topk_idx is None else topk_idx, before, send_head, channel_counts, num_tokens,
                 0 if topk_idx is None else topk_idx.numel())
-        received = torch.empty((R, 2 + R + experts_per_rank + C), dtype=torch.int32, device=dev)
-        notify(Pointer(before, torch.int32, num_tokens * R * 4), num_tokens_per_expert, channel_counts, signature,
-               received)
-        tables = torch.empty(tables_at.size, dtype=torch.int32, device=dev)
         prefix = Pointer(tables, torch.int32, 4 * tables_at.prefix)
         recv_count = Pointer(tables, torch.int32, 4 * tables_at.recv_count)
         recv_base = Pointer(tables, torch.int32, 4 * tables_at.recv_base)
@@ -293,10 +291,11 @@ class NVLinkNormal:
         combine_row0 = Pointer(tables, torch.int32, 4 * tables_at.combine_row0)
         recv_channel_prefix = tables[tables_at.recv_channel_prefix:tables_at.channel_prefix].view(R, C)
         channel_prefix = tables[tables_at.channel_prefix:tables_at.rank_prefix_matrix].view(R, C)
-        rank_prefix_matrix = tables[tables_at.rank_prefix_matrix:].view(R, R)
+        rank_prefix_matrix = tables[tables_at.rank_prefix_matrix:tables_at.channel_counts].view(R, R)
         ticket = 0 if num_worst_tokens else self.counts.next_ticket()
-        fill_plan(received, channel_counts, prefix, recv_count, recv_base, rank_prefix_matrix, channel_prefix,
-                  recv_channel_prefix, push_row0, combine_row0, ticket, expert_alignment)
+        notify(Pointer(before, torch.int32, num_tokens * R * 4), num_tokens_per_expert, channel_counts, signature,
+               Pointer(tables, torch.int32, 4 * tables_at.received), prefix, recv_count, recv_base, rank_prefix_matrix,
+               channel_prefix, recv_channel_prefix, push_row0, combine_row0, ticket, expert_alignment)
         if num_worst_tokens:
             num_rows, aligned_list, most = num_worst_tokens, [], (None, None)
         else:
@@ -321,10 +320,10 @@ class NVLinkNormal:
         return signature
 
     def _notify_launches(self, C: int, num_experts: int, no_wait: bool):
-        """The prepare, notify and plan kernels of a non-cached dispatch, and where the plan's tables sit in
-        their one allocation."""
+        """The prepare and notify kernels of a non-cached dispatch (the notify's last program computes the plan),
+        and where the plan's tables sit in their one allocation."""
         from .notify import notify_kernel
-        from .plan import plan_kernel, prepare_kernel
+        from .plan import prepare_kernel
         R, rank = self.topology.num_ranks, self.topology.rank
         experts_per_rank = num_experts // R
         record_len = 2 + R + experts_per_rank + C
@@ -333,15 +332,14 @@ class NVLinkNormal:
                            num_experts=num_experts, C=C, no_wait=1 if no_wait else 0, R=R, BLOCK=1024,
                            BLOCK_C=next_pow2(C), BLOCK_IDS=8192, num_warps=8)
         notify = Relaunch(notify_kernel, (R,), _NOTIFY_VARY, mismatch_ptr=self.mismatch, checks_ptr=self.checks,
-                          bases_ptr=self.peers.bases, notify_flag_word=self.header.notify_word,
-                          notify_word=self.header.record_word, epoch_ptr=self.epoch, status_ptr=self.status.tensor,
+                          mailbox_ptr=self.counts.tensor, bases_ptr=self.peers.bases,
+                          notify_flag_word=self.header.notify_word, notify_word=self.header.record_word,
+                          ticket_word=self.header.ticket_word, epoch_ptr=self.epoch, status_ptr=self.status.tensor,
                           rank=rank, timeout_ns=self.timeout_ns, experts_per_rank=experts_per_rank, C=C, R=R,
                           REC=record_len, STRIDE=self.header.record_max, BLOCK=next_pow2(record_len),
-                          BLOCK_R=next_pow2(R), num_warps=4)
-        plan = Relaunch(plan_kernel, (1,), _PLAN_VARY, checks_ptr=self.checks, mailbox_ptr=self.counts.tensor,
-                        rank=rank, experts_per_rank=experts_per_rank, REC=record_len, R=R, C=C, BLOCK_R=next_pow2(R),
-                        BLOCK_C=next_pow2(C), BLOCK_E=next_pow2(experts_per_rank), num_warps=4)
-        return prepare, notify, plan, PlanTables.for_shape(R, C)
+                          BLOCK_R=next_pow2(R), BLOCK_C=next_pow2(C), BLOCK_E=next_pow2(experts_per_rank),
+                          num_warps=4)
+        return prepare, notify, PlanTables.for_shape(R, C, record_len)
 
     def _wait_counts(self, ticket: int, experts_per_rank: int, signature: int, call: Dict[str, int]):
         """The API's host wait for the received counts (mailbox.py); with it, every rank learns whether all ranks

@@ -7,24 +7,30 @@ d's notify area, fences, and raises d's NOTIFY[s] to e. Then it waits until this
 and copies row d of its own table e % 2 into `received[d]`.
 Reuse: rank s writes table e % 2 again at notify e + 2, after its notify e + 1 saw NOTIFY[d] >= e + 1, which
 d raised after it had read table e % 2 in notify e; so a row is never overwritten before it is read.
+Then every program takes a ticket (sync.is_last_program, on this rank's TICKET counter, which the normal-mode
+kernels on the same stream use in turn); the last one, which sees every copied record, computes the
+dispatch's plan and posts its counts to the host (plan.plan_tables): one launch for the notify and the plan.
 """
 import triton
 import triton.language as tl
 
 from .intrinsics import fence_sys
-from .sync import wait_at_least
+from .plan import plan_tables
+from .sync import is_last_program, wait_at_least
 from .status import WAIT_NOTIFY
 
 
-@triton.jit
-def notify_kernel(colsum_ptr, per_expert_ptr, channel_counts_ptr, mismatch_ptr, checks_ptr, signature, received_ptr,
-                  bases_ptr, notify_flag_word, notify_word, epoch_ptr, status_ptr, rank, timeout_ns, experts_per_rank,
-                  C, R: tl.constexpr, REC: tl.constexpr, STRIDE: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
+@triton.jit(do_not_specialize=["counts_ticket"])   # (one compiled kernel for every ticket)
+def notify_kernel(colsum_ptr, per_expert_ptr, channel_counts_ptr, signature, received_ptr, prefix_ptr, recv_count_ptr,
+                  recv_base_ptr, rank_prefix_ptr, channel_prefix_ptr, recv_channel_prefix_ptr, push_row0_ptr,
+                  combine_row0_ptr, counts_ticket, expert_alignment, mismatch_ptr, checks_ptr, mailbox_ptr, bases_ptr,
+                  notify_flag_word, notify_word, ticket_word, epoch_ptr, status_ptr, rank, timeout_ns,
+                  experts_per_rank, C: tl.constexpr, R: tl.constexpr, REC: tl.constexpr, STRIDE: tl.constexpr,
+                  BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
     """Record for d: [signature of the call's shapes | flags of invalid input (plan.prepare_kernel) | tokens
     per destination (R) | tokens per expert of d | tokens for d per channel (C)]. Rows of the tables are
     STRIDE apart and start with the signature, so ranks that disagree on the shapes still read each
-    other's signatures."""
+    other's signatures. `counts_ticket`: the host's mailbox ticket (0: the host does not wait)."""
     dest = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
     table = notify_word + (epoch % 2) * R * STRIDE
@@ -56,3 +62,10 @@ def notify_kernel(colsum_ptr, per_expert_ptr, channel_counts_ptr, mismatch_ptr, 
         tl.debug_barrier()
         got = tl.load(own.to(tl.pointer_type(tl.int32)) + table + dest * STRIDE + offs, mask=in_record, volatile=True)
         tl.store(received_ptr + dest * REC + offs, got, mask=in_record)
+    # (a program whose wait gave up takes its ticket too: the plan then runs on what arrived, and the host,
+    # which reads the status words once it has the counts, raises the timeout)
+    if is_last_program(own.to(tl.pointer_type(tl.int64)) + ticket_word):
+        plan_tables(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, recv_base_ptr, rank_prefix_ptr,
+                    channel_prefix_ptr, recv_channel_prefix_ptr, push_row0_ptr, combine_row0_ptr, mailbox_ptr,
+                    checks_ptr, counts_ticket, rank, experts_per_rank, expert_alignment, REC, R, C, BLOCK_R, BLOCK_C,
+                    BLOCK_E)

@@ -1,5 +1,5 @@
-"""Local kernels around the notify of a non-cached dispatch (no communication): they replace dozens of
-small torch operations, whose launch cost would dominate the dispatch.
+"""Local work around the notify of a non-cached dispatch (no communication): it replaces dozens of small
+torch operations, whose launch cost would dominate the dispatch.
 
 prepare_kernel (R + 1 programs), before the notify:
   program d < R: before[t, d] = tokens before t that go to rank d (exclusive prefix over is_token_in_rank),
@@ -8,9 +8,10 @@ prepare_kernel (R + 1 programs), before the notify:
   program R: checks = (flags: 1 = an id of the last layouts out of range, 2 = an id of topk_idx out of
     range, 8 = this rank does not wait for the counts (num_worst_tokens); smallest id; largest id; an
     offending layout id), and advances the notify epoch.
-plan_kernel (1 program), after the notify: from the received records, where every received row goes
-  (prefix, recv_count, recv_base), where this rank's rows go in the direct protocol, the handle's matrices,
-  and, where the host waits (ticket > 0), the payload and then the ticket in the host's mailbox (mailbox.py).
+plan_tables (run by the notify kernel's last program, once every record arrived): from the received records,
+  where every received row goes (prefix, recv_count, recv_base), where this rank's rows go in the direct
+  protocol, the handle's matrices, and, where the host waits (ticket > 0), the payload and then the ticket in
+  the host's mailbox (mailbox.py).
 """
 import triton
 import triton.language as tl
@@ -64,8 +65,8 @@ def prepare_kernel(in_rank_ptr, per_rank_ptr, idx_ptr, layout_bad_ptr, before_pt
         tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)
 
 
-@triton.jit(do_not_specialize=["ticket"])   # (one compiled kernel for every ticket)
-def plan_kernel(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, recv_base_ptr, rank_prefix_ptr,
+@triton.jit
+def plan_tables(received_ptr, channel_counts_ptr, prefix_ptr, recv_count_ptr, recv_base_ptr, rank_prefix_ptr,
                 channel_prefix_ptr, recv_channel_prefix_ptr, push_row0_ptr, combine_row0_ptr, mailbox_ptr, checks_ptr,
                 ticket, rank, experts_per_rank, expert_alignment, REC: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
