@@ -314,18 +314,19 @@ class Relaunch:
         append = spec.append
         for position, value in zip(self.positions, changed):
             kind = value.__class__
-            if kind is torch.Tensor or kind is Pointer:
-                if kind is torch.Tensor and not value.is_cuda:
-                    return self._launch(grid, changed, None)
-                pointer = value.data_ptr()
-                append(value.dtype)
-                append(pointer & 15 == 0)
-                packed[position] = pointer
-            elif kind is int:
+            if kind is int:
                 append(_int_spec(value))
                 packed[position] = value
+                continue
+            if kind is Pointer:
+                pointer = value.address   # (the attribute: a method call costs more)
+            elif kind is torch.Tensor and value.is_cuda:
+                pointer = value.data_ptr()
             else:
                 return self._launch(grid, changed, None)
+            append(value.dtype)
+            append(pointer & 15 == 0)
+            packed[position] = pointer
         key = tuple(spec)
         direct = self.kernels.get(key)
         if direct is None or _hooks_set():
