@@ -4,7 +4,8 @@ dispatch (whose host waits for the received counts), the GPU's idle gap between 
 that brings the counts to the host and the start of the dispatch kernel, read from a profiler trace.
 
   python benchmarks/host_overhead.py [--ranks 1 2 4] [--calls 200] [--transport nvlink] [--against TREE]
-                                     [--json FILE] [--breakdown] [--profile] [--operations NAME ...]
+                                     [--rounds N] [--json FILE] [--commit HASH] [--breakdown] [--profile]
+                                     [--operations NAME ...]
 
 Shapes: normal mode at the DeepSeek training shape (4096 tokens, hidden 7168, top-8, 256 experts),
 low-latency mode at the decode shape (128 tokens, hidden 7168, top-8, 288 experts). Ranks share the GPUs
@@ -18,6 +19,9 @@ Figure: the median over the timed calls of rank 0's host time per call, in micro
 
 --against TREE runs every measurement also with the package in TREE (a directory holding `deep_ep`, e.g. an
 earlier commit's `git archive`), in the same process order, and prints the ratio this tree / TREE.
+--rounds N repeats the whole measurement N times (with --against: this tree, then TREE, in turn), each in new
+processes; a row's figure is then the median of the rounds' figures, its ratio the median of the rounds' ratios,
+shown with their range (a machine's drift between processes moves rows of unchanged code by up to 1.5x).
 --breakdown times the layers of each call with a timer around each (far cheaper than cProfile's hooks);
 --profile prints a cProfile of rank 0 for a few operations.
 """
@@ -399,7 +403,9 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1], help="rank counts (processes sharing the GPUs)")
     parser.add_argument("--transport", default="nvlink")
     parser.add_argument("--against", help="a directory holding an earlier `deep_ep` to time in the same run")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the measurement (see above)")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--commit", help="the commit the JSON names (default: git rev-parse --short HEAD)")
     parser.add_argument("--breakdown", action="store_true", help="also time the layers of each call (rank 0's)")
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of rank 0")
     parser.add_argument("--operations", nargs="+", choices=[name for name in LIMITS if not name.startswith("receive")],
@@ -409,17 +415,14 @@ def main() -> int:
     print(" ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
     rows: List[Dict[str, Any]] = []
     for ranks in args.ranks:   # each rank count's table (and the JSON so far) as soon as it is measured
-        ours = _measure(args, ranks, None)
-        theirs = _measure(args, ranks, args.against) if args.against else None
-        measured = []
-        for i, record in enumerate(ours["records"]):
-            row = dict(ranks=ranks, **{k: v for k, v in record.items() if k not in ("layers", "profile")})
-            if theirs is not None:
-                other = theirs["records"][i]
-                assert (other["operation"], other["flags"]) == (record["operation"], record["flags"])
-                row["against_us"] = other["host_us"]
-                row["against_checked"] = other["checked"]
-            measured.append(row)
+        ours, theirs = [], []
+        for _ in range(args.rounds):
+            ours.append(_measure(args, ranks, None)["records"])
+            if args.against:
+                theirs.append(_measure(args, ranks, args.against)["records"])
+        measured = [_row(ranks, [records[i] for records in ours], [records[i] for records in theirs])
+                    for i in range(len(ours[0]))]
+        for record in ours[0]:
             for extra in ("layers", "profile"):
                 if record.get(extra):
                     print(f"--- {extra}: {record['operation']} ({ranks} ranks) ---\n{record[extra]}")
@@ -433,27 +436,57 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def _median(values: List[Optional[float]]) -> Optional[float]:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _row(ranks: int, rounds: List[Dict[str, Any]], against: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One table row from a record of each round (and of each round of the tree --against names)."""
+    first = rounds[0]
+    row = dict(ranks=ranks, operation=first["operation"], flags=first["flags"],
+               host_us=_median([r["host_us"] for r in rounds]), checked=all(r["checked"] for r in rounds))
+    if len(rounds) > 1:
+        row["rounds_us"] = [r["host_us"] for r in rounds]
+    if against:
+        assert all((o["operation"], o["flags"]) == (first["operation"], first["flags"]) for o in against)
+        row["against_us"] = _median([o["host_us"] for o in against])
+        row["against_checked"] = all(o["checked"] for o in against)
+        ratios = [r["host_us"] / o["host_us"] for r, o in zip(rounds, against) if r["host_us"] and o["host_us"]]
+        row["ratio"] = statistics.median(ratios) if ratios else None
+        if len(rounds) > 1:
+            row["against_rounds_us"] = [o["host_us"] for o in against]
+            row["ratios"] = ratios
+    return row
+
+
 def _print_table(rows: List[Dict[str, Any]], args: argparse.Namespace) -> None:
-    print(f"\nhost time per eager call, us (median of {args.calls} calls, rank 0; GPU kept busy)"
+    rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"\nhost time per eager call, us (median of {args.calls} calls, rank 0; GPU kept busy{rounds})"
           + (f"; 'before': {args.against}" if args.against else ""), flush=True)
     head = f"{'ranks':>5s} {'operation':46s} {'flags':38s} {'us':>7s}"
-    print(head + (f" {'before':>7s} {'ratio':>6s}" if args.against else "") + f" {'limit':>6s}")
+    spread = args.against and args.rounds > 1
+    print(head + (f" {'before':>7s} {'ratio':>6s}" if args.against else "") + (f" {'range':>11s}" if spread else "")
+          + f" {'limit':>6s}")
     for r in rows:
         line = f"{r['ranks']:5d} {r['operation']:46s} {r['flags']:38s} {_fmt(r['host_us'])}"
         if args.against:
-            ratio = (r["host_us"] / r["against_us"]) if r["host_us"] and r["against_us"] else None
+            ratio = r["ratio"]
             line += f" {_fmt(r['against_us'])} {'' if ratio is None else f'{ratio:6.2f}':>6s}"
+        if spread:
+            ratios = r.get("ratios") or []
+            line += f" {f'{min(ratios):.2f}-{max(ratios):.2f}' if ratios else '-':>11s}"
         limit = LIMITS.get(r["operation"])
         print(line + f" {'' if limit is None else limit:>6}" + ("" if r["checked"] else "  OUTPUT MISMATCH"), flush=True)
 
 
 def _write_json(rows: List[Dict[str, Any]], args: argparse.Namespace, versions: Dict[str, str]) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE,
+                                           stderr=subprocess.DEVNULL, text=True).stdout.strip()
     args.json.write_text(json.dumps(dict(
         figure="host time per eager call (median, rank 0, GPU kept busy), us; the idle-gap row: GPU idle us",
         date=datetime.date.today().isoformat(), commit=commit, against=args.against, **versions,
-        command="python benchmarks/host_overhead.py " + " ".join(sys.argv[1:]), calls=args.calls,
+        command="python benchmarks/host_overhead.py " + " ".join(sys.argv[1:]), calls=args.calls, rounds=args.rounds,
         records=rows), indent=1) + "\n")
 
 
