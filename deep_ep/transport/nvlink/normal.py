@@ -91,7 +91,8 @@ class Plan(NamedTuple):
 
 class PlanTables(NamedTuple):
     """int32 offsets of a non-cached dispatch's tables in their one allocation, and its size: the plan's, the
-    handle's three matrices, then the prepare kernel's counts per channel and the notify's received records."""
+    handle's three matrices, then the prepare kernel's counts per channel and the notify's received records.
+    Each starts on a 16-byte boundary (the kernels' pointers keep the alignment of an allocation of their own)."""
     prefix: int                  # [R + 1]
     recv_count: int              # [R, C]
     recv_base: int               # [R, C]
@@ -110,7 +111,7 @@ class PlanTables(NamedTuple):
         offsets, cursor = [], 0
         for size in (R + 1, R * C, R * C, R, R, R * C, R * C, R * R, R * C, R * record_len):
             offsets.append(cursor)
-            cursor += size
+            cursor += _round_up(size, 4)
         return cls(*offsets, size=cursor)
 
 
@@ -289,9 +290,9 @@ class NVLinkNormal:
         recv_base = Pointer(tables, torch.int32, 4 * tables_at.recv_base)
         push_row0 = Pointer(tables, torch.int32, 4 * tables_at.push_row0)
         combine_row0 = Pointer(tables, torch.int32, 4 * tables_at.combine_row0)
-        recv_channel_prefix = tables[tables_at.recv_channel_prefix:tables_at.channel_prefix].view(R, C)
-        channel_prefix = tables[tables_at.channel_prefix:tables_at.rank_prefix_matrix].view(R, C)
-        rank_prefix_matrix = tables[tables_at.rank_prefix_matrix:tables_at.channel_counts].view(R, R)
+        recv_channel_prefix = tables[tables_at.recv_channel_prefix:tables_at.recv_channel_prefix + R * C].view(R, C)
+        channel_prefix = tables[tables_at.channel_prefix:tables_at.channel_prefix + R * C].view(R, C)
+        rank_prefix_matrix = tables[tables_at.rank_prefix_matrix:tables_at.rank_prefix_matrix + R * R].view(R, R)
         ticket = 0 if num_worst_tokens else self.counts.next_ticket()
         notify(Pointer(before, torch.int32, num_tokens * R * 4), num_tokens_per_expert, channel_counts, signature,
                Pointer(tables, torch.int32, 4 * tables_at.received), prefix, recv_count, recv_base, rank_prefix_matrix,
