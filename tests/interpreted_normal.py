@@ -40,6 +40,12 @@ def _normal_mode(group: Group, topology: Topology) -> NVLinkNormal:
     return NVLinkNormal(group, topology, memory, peers, NUM_NVL_BYTES, StatusWords(group, 30 * 10 ** 9))
 
 
+def _ticket_counter(ours: NVLinkNormal) -> int:
+    """The TICKET word of this rank's buffer header (int64)."""
+    words = torch.empty(0, dtype=torch.int64).set_(ours.local_buffer.untyped_storage())
+    return int(words[ours.header.ticket_word])
+
+
 def _round_trip(failures: List[str], label: str, ours, reference, x, scales, idx, weights) -> None:
     """Layout, dispatch, cached dispatch and combine on both transports, compared output by output."""
     layouts = [transport.get_dispatch_layout(idx, E) for transport in (ours, reference)]
@@ -50,6 +56,9 @@ def _round_trip(failures: List[str], label: str, ours, reference, x, scales, idx
             for transport in (ours, reference)]
     for name in ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert_list"):
         _same(failures, f"{label} dispatch {name}", getattr(outs[0], name), getattr(outs[1], name))
+    ticket = _ticket_counter(ours)
+    if ticket:   # (the last program of the notify and of the dispatch kernel each resets it)
+        failures.append(f"{label} dispatch: the programs' ticket counter is {ticket} after its kernels, not 0")
     for position, name in enumerate(("rank_prefix_matrix", "channel_prefix", "recv_channel_prefix", "recv_src_idx",
                                      "is_token_in_rank")):
         _same(failures, f"{label} handle {name}", outs[0].handle[position], outs[1].handle[position])

@@ -39,6 +39,9 @@ POINTERS = {"x_ptr": "*bf16", "rows_ptr": "*bf16", "out_ptr": "*bf16", "bias0_pt
             "in_rank_ptr": "*i8", "bases_ptr": "*i64", "arrived_ptr": "*i64", "received_ptr": "*i64",
             "stats_ptr": "*i64", "layout_ptr": "*i64"}   # others: *i32
 NOTIFY_SHAPES = dict(REC=64, STRIDE=64, BLOCK=64, C=4, BLOCK_C=4, BLOCK_E=8)   # (and R, BLOCK_R)
+NOTIFY_POINTERS = dict(received_ptr="*i32", mailbox_ptr="*i64", checks_ptr="*i64", mismatch_ptr="*i64",
+                       epoch_ptr="*i64")   # (as the transport passes them)
+CASE_POINTERS = {"notify": NOTIFY_POINTERS}   # the cases below whose pointers differ from POINTERS
 
 
 def _ptx(kernel, num_warps: int, constexprs: Dict[str, object], divisible: Iterable[str] = (),
@@ -301,14 +304,18 @@ def _uniformity_cases():
     }
 
 
+def _case_ptx(case: str) -> str:
+    kernel, constexprs = _uniformity_cases()[case]
+    return _ptx(kernel, 4, constexprs, pointers=CASE_POINTERS.get(case))
+
+
 @pytest.mark.parametrize("case", list(_uniformity_cases()))
 def test_waits_branch_alike_in_every_thread(case):
     """A thread that leaves a wait on its own reading of the clock or of a flag while the others go on polling
     meets them at the wrong barriers, and the program computes garbage: in shrink mode, on the GPU, a dispatch
     receive that gave up on one rank copied wrong rows of the others. No branch of a waiting kernel may depend
     on such a reading unless a reduction over the program (cta_any) has made it one value."""
-    kernel, constexprs = _uniformity_cases()[case]
-    assert _branches_on_own_views(_ptx(kernel, 4, constexprs)) == []
+    assert _branches_on_own_views(_case_ptx(case)) == []
 
 
 ACQUIRE = re.compile(r"\b(atom|ld)\.[a-z0-9_.:]*acquire")
@@ -336,8 +343,7 @@ def test_acquired_values_reach_other_threads_through_a_barrier(case):
     and passed to the others; those others may read the rows it guards only after a CTA barrier (which
     Triton's lowering puts between the atomic's shared-memory store and the others' loads): then the acquire
     orders their reads too."""
-    kernel, constexprs = _uniformity_cases()[case]
-    assert _accesses_before_a_barrier(_ptx(kernel, 4, constexprs)) == []
+    assert _accesses_before_a_barrier(_case_ptx(case)) == []
 
 
 ORDERED = re.compile(r"\b(?:atom|red|ld|st|fence)(?:\.[a-z0-9_]+)*?\.(?:acquire|release|acq_rel)(?:\.[a-z0-9_]+)*")
@@ -349,8 +355,7 @@ def test_acquires_and_releases_reach_other_gpus(case):
     release at GPU scope orders nothing for them (on one shared GPU it would pass every test). The one exception:
     the ticket by which a normal-mode kernel's programs find the last of them (a word of this GPU's own memory
     that only its own programs touch)."""
-    kernel, constexprs = _uniformity_cases()[case]
-    ordered = [match.group(0) for match in ORDERED.finditer(_ptx(kernel, 4, constexprs))]
+    ordered = [match.group(0) for match in ORDERED.finditer(_case_ptx(case))]
     narrow = [op for op in ordered if "sys" not in op.split(".")]
     # (the normal-mode kernels and the notify end with is_last_program)
     ticket = case.startswith(("dispatch ", "combine ", "notify"))
@@ -362,9 +367,7 @@ def test_notify_kernel_stores_the_counts_before_it_releases_the_ticket():
     """The host reads a dispatch's counts from its mailbox once the ticket is there (mailbox.py): every store
     of the payload comes before a CTA barrier that precedes the ticket's system-scope release (the last
     exchange of the kernel: the one before it raises a peer's notify flag), and nothing is stored after it."""
-    lines = _ptx(notify.notify_kernel, 4, dict(NOTIFY_SHAPES, R=R, BLOCK_R=R),
-                 pointers=dict(received_ptr="*i32", mailbox_ptr="*i64", checks_ptr="*i64",
-                               mismatch_ptr="*i64", epoch_ptr="*i64")).splitlines()
+    lines = _ptx(notify.notify_kernel, 4, dict(NOTIFY_SHAPES, R=R, BLOCK_R=R), pointers=NOTIFY_POINTERS).splitlines()
     releases = [i for i, line in enumerate(lines) if re.search(r"\batom\.", line) and "exch" in line
                 and "release" in line]
     assert len(releases) == 2, releases

@@ -14,7 +14,7 @@ from deep_ep.transport.base import LowLatencyOptions  # noqa: E402
 from deep_ep.transport.nvlink import launcher  # noqa: E402
 from deep_ep.transport.nvlink.header import Header  # noqa: E402
 from deep_ep.transport.nvlink.low_latency import NVLinkLowLatency  # noqa: E402
-from deep_ep.transport.nvlink.normal import DispatchGeometry, NVLinkNormal  # noqa: E402
+from deep_ep.transport.nvlink.normal import DispatchGeometry, NVLinkNormal, PlanTables  # noqa: E402
 from deep_ep.transport.nvlink.status import StatusWords  # noqa: E402
 
 R = 2
@@ -50,12 +50,19 @@ def test_normal_combine_layout_and_notify_launches_bind(direct, biases):
     assert isinstance(normal._layout_launch(8, 64), launcher.Relaunch)
     prepare, notify, tables = normal._notify_launches(12, 64, no_wait=False)
     assert all(isinstance(launch, launcher.Relaunch) for launch in (prepare, notify))
-    record_len = 2 + R + 64 // R + 12
-    sizes = [R + 1, R * 12, R * 12, R, R, R * 12, R * 12, R * R, R * 12, R * record_len]
+    assert tables == PlanTables.for_shape(R, 12, 2 + R + 64 // R + 12)
+
+
+@pytest.mark.parametrize("num_ranks, num_channels, record_len", [(2, 12, 48), (3, 5, 31), (8, 24, 66)])
+def test_plan_tables_do_not_overlap_and_start_on_16_byte_boundaries(num_ranks, num_channels, record_len):
+    R, C = num_ranks, num_channels
+    tables = PlanTables.for_shape(R, C, record_len)
+    sizes = [R + 1, R * C, R * C, R, R, R * C, R * C, R * R, R * C, R * record_len]
     offsets = list(tables[:-1])
-    assert all(offset % 4 == 0 for offset in offsets), offsets   # (16-byte boundaries)
-    assert all(end <= start for end, start in zip([o + n for o, n in zip(offsets, sizes)], offsets[1:] + [tables.size]))
-    assert tables.size - (offsets[-1] + sizes[-1]) < 4
+    assert all(offset % 4 == 0 for offset in offsets), offsets
+    ends = [offset + size for offset, size in zip(offsets, sizes)]
+    assert all(end <= start for end, start in zip(ends, offsets[1:] + [tables.size])), (offsets, sizes)
+    assert tables.size - ends[-1] < 4
 
 
 @pytest.mark.parametrize("use_fp8", [False, True])

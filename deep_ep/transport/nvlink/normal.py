@@ -1,9 +1,9 @@
 """Normal mode on the NVLink transport: layout, dispatch and combine as Triton kernels on peer-mapped buffers.
 
   get_dispatch_layout: one local kernel, no host wait (layout.py);
-  non-cached dispatch: prepare and notify kernels (counts to every rank; plan.py, notify.py) -> the plan
-    kernel -> counts into the host's mailbox (mailbox.py; the API's receive-count wait, skipped with
-    num_worst_tokens) -> the dispatch kernel;
+  non-cached dispatch: prepare and notify kernels (counts to every rank; plan.py, notify.py; the notify's last
+    program computes the plan and puts the counts into the host's mailbox: mailbox.py, the API's receive-count
+    wait, skipped with num_worst_tokens) -> the dispatch kernel;
   cached dispatch, combine: the dispatch or combine kernel alone, with the routing kept from the handle.
 
 Note [protocols]: where the largest share any rank receives (dispatch) or sent in the dispatch (combine) fits
