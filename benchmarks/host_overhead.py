@@ -486,8 +486,8 @@ def _write_json(rows: List[Dict[str, Any]], args: argparse.Namespace, versions: 
     args.json.write_text(json.dumps(dict(
         figure="host time per eager call (median, rank 0, GPU kept busy), us; the idle-gap row: GPU idle us",
         date=datetime.date.today().isoformat(), commit=commit, against=args.against, **versions,
-        command="python benchmarks/host_overhead.py " + " ".join(sys.argv[1:]), calls=args.calls, rounds=args.rounds,
-        records=rows), indent=1) + "\n")
+        command="python benchmarks/host_overhead.py " + " ".join(sys.argv[1:]), calls=args.calls,
+        rounds=args.rounds, records=rows), indent=1) + "\n")
 
 
 def _fmt(value: Optional[float]) -> str:

@@ -4,8 +4,9 @@ Protocol (one mailbox per NVLink transport, pinned int64 words: [ticket | payloa
   the host numbers every dispatch that waits for its counts (tickets 1, 2, ...) and passes the number to the
   notify kernel (notify.py), whose last program computes the plan (plan.plan_tables), writes the payload into
   the mailbox, then (after a CTA barrier) stores the ticket with a system-scope release. The host spins on
-  the ticket word and reads the payload once it holds this call's number. A dispatch that does not wait (num_worst_tokens: the only non-cached dispatch a CUDA
-  graph may capture) passes ticket 0 and the kernel writes nothing here.
+  the ticket word and reads the payload once it holds this call's number. A dispatch that does not wait
+  (num_worst_tokens: the only non-cached dispatch a CUDA graph may capture) passes ticket 0 and the kernel
+  writes nothing here.
 The host reads the ticket, then the payload, in two separate reads from Python: x86 keeps loads in order; an
 Arm host may reorder loads only within a window far shorter than the interpreter's work between the two.
 Only one dispatch waits at a time (the host reads its payload before it queues anything else), so one mailbox
